@@ -1,0 +1,1 @@
+"""mlxcache: radix (prefix) caching and batched decode for unmodified mlx-lm models."""
