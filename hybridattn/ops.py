@@ -1,0 +1,580 @@
+"""KDA (Kimi Delta Attention) kernels in plain JAX.
+
+Every KDA layer of a Kimi-Linear model runs through these functions. All of them are pure,
+jit-compatible and differentiable; inputs may be bf16 or f32, the recurrent state and every
+accumulation are f32.
+
+Layouts (per token, heads before channels)::
+
+    q, k   [B, T, H, Dk]   L2-normalised query / key (see :func:`l2norm`)
+    v      [B, T, H, Dv]
+    g      [B, T, H, Dk]   per-channel log-decay, <= 0 (see :func:`kda_gate`)
+    beta   [B, T, H]       write strength in [0, 1]
+    state  [B, H, Dk, Dv]  float32; rows (Dk) decay, the delta rule writes k (x) u
+
+The recurrence, per head (DESIGN.md section 1.2)::
+
+    S' = diag(exp(g_t)) S_{t-1}
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
+    o_t = scale * S_t^T q_t                         # read after the write
+
+:func:`kda_recurrent` is the step-by-step reference; :func:`kda_chunked` is the fast
+chunkwise-parallel form (any ``T``, packed variable-length batches, states at chunk
+boundaries); :func:`kda_decode` is one step for many requests.
+
+How the chunked form stays exact and overflow-free
+--------------------------------------------------
+Within a chunk of ``C`` tokens let ``G`` be the inclusive cumulative sum of ``g`` (so ``G`` is
+non-increasing). The intra-chunk interactions need ``exp(G_i - G_j)`` for ``j <= i``. Real
+checkpoints have per-token ``|g|`` in the thousands, so ``exp(G_i)`` and ``exp(-G_j)`` must
+never be formed separately. We split the chunk into sub-chunks of ``c`` tokens:
+
+* for sub-chunk ``a`` against all earlier tokens we factor through the reference point
+  ``r = a*c - 1`` (the token just before the sub-chunk): ``exp(G_i - G_r) * exp(G_r - G_j)``
+  with both exponents <= 0, so each factor is in ``[0, 1]`` and the product only underflows
+  where the true value does. That part is one batched matmul per sub-chunk row.
+* inside a sub-chunk we form ``exp(where(j <= i, G_i - G_j, -inf))`` directly (``c*c*Dk``
+  elements per sub-chunk, small).
+
+The delta rule inside a chunk is the WY/UT transform: ``(I + L) [W, U] = diag(beta) [exp(G) K,
+V]`` with ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``), solved by one batched
+triangular solve. Everything that depends on the chunk's start state ``S_0`` is linear in it::
+
+    O_chunk = Qh S_0 + A_qk U         Qh = scale exp(G) * Q - A_qk W
+    S_next  = M  S_0 + Kt^T U         M  = diag(exp(G_last)) - Kt^T W,  Kt = exp(G_last - G) * K
+
+so all of ``Qh, A_qk U, M, Kt^T U`` are computed for every chunk in parallel, and the only
+sequential work is ``S <- M S + B``: one ``[Dk, Dk] @ [Dk, Dv]`` matmul per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+__all__ = [
+    "ChunkStates",
+    "kda_chunked",
+    "kda_decode",
+    "kda_gate",
+    "kda_recurrent",
+    "l2norm",
+    "short_conv",
+]
+
+# Sub-chunk size for the exact intra-chunk decay factors (see the module docstring).
+_SUB_CHUNK = 16
+
+
+class ChunkStates(NamedTuple):
+    """Recurrent states at chunk boundaries, as returned by ``kda_chunked(...,
+    return_chunk_states=True)``.
+
+    ``states[b, n]`` is the state of sequence ``seq_ids[b, n]`` after its first
+    ``num_tokens[b, n]`` tokens. Without ``cu_seqlens`` the chunks of row ``b`` are
+    ``[n*C, (n+1)*C)``; with ``cu_seqlens`` (``B == 1``) chunks are laid out sequence after
+    sequence, each sequence starting on a fresh chunk, and unused trailing chunks have
+    ``seq_ids == -1``.
+    """
+
+    states: Float[Array, "B NC H Dk Dv"]
+    seq_ids: Int[Array, "B NC"]
+    num_tokens: Int[Array, "B NC"]
+
+
+# --------------------------------------------------------------------------------------------
+# small pieces
+# --------------------------------------------------------------------------------------------
+
+
+def l2norm(x: Float[Array, "*batch D"], eps: float = 1e-6) -> Float[Array, "*batch D"]:
+    """``x / sqrt(sum(x**2) + eps)`` over the last axis, computed in f32, returned in
+    ``x.dtype``. This is the normalisation Kimi-Linear applies to q and k (``eps`` is added to
+    the sum of squares, as in flash-linear-attention's ``l2norm``).
+
+    >>> l2norm(jnp.array([3.0, 4.0]), eps=0.0)
+    Array([0.6, 0.8], dtype=float32)
+    """
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def kda_gate(
+    a: Float[Array, "*batch H Dk"],
+    A_log: Float[Array, "..."],
+    dt_bias: Float[Array, "..."],
+    lower_bound: float | None = None,
+) -> Float[Array, "*batch H Dk"]:
+    """The KDA per-channel log-decay ``g`` (float32, ``<= 0``).
+
+    ``a`` is the gate projection ``f_b_proj(f_a_proj(x))`` reshaped to ``[..., H, Dk]``;
+    ``A_log`` has ``H`` elements (checkpoint shape ``[1, 1, H, 1]``, or ``[H]``), ``dt_bias``
+    ``H * Dk`` (``[H * Dk]`` or ``[H, Dk]``). Two formulas (DESIGN.md section 1.2)::
+
+        g = -exp(A_log) * softplus(a + dt_bias)                        # lower_bound is None
+        g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))          # lower_bound < 0
+
+    >>> g = kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(3), jnp.zeros(12))
+    >>> g.shape, bool((g <= 0).all())
+    ((2, 3, 4), True)
+    """
+    H, Dk = a.shape[-2:]
+    if A_log.size != H:
+        raise ValueError(f"A_log has {A_log.size} elements (shape {A_log.shape}), expected H={H}")
+    if dt_bias.size != H * Dk:
+        raise ValueError(
+            f"dt_bias has {dt_bias.size} elements (shape {dt_bias.shape}), "
+            f"expected H*Dk={H * Dk}"
+        )
+    rate = jnp.exp(A_log.astype(jnp.float32).reshape(H, 1))
+    x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, Dk)
+    if lower_bound is None:
+        return -rate * jax.nn.softplus(x)
+    if lower_bound >= 0:
+        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    return lower_bound * jax.nn.sigmoid(rate * x)
+
+
+def _default_scale(scale: float | None, dk: int) -> float:
+    return dk**-0.5 if scale is None else float(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# the reference recurrence and decode
+# --------------------------------------------------------------------------------------------
+
+
+def _kda_step(state, q, k, v, g, beta, scale):
+    """One delta-rule step for ``[..., H, D]`` f32 inputs; returns ``(new_state, o)``."""
+    state = state * jnp.exp(g)[..., :, None]
+    kv = jnp.einsum("...k,...kv->...v", k, state)
+    u = beta[..., None] * (v - kv)
+    state = state + k[..., :, None] * u[..., None, :]
+    o = scale * jnp.einsum("...k,...kv->...v", q, state)
+    return state, o
+
+
+def _check_qkv(q, k, v, g, beta):
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share a shape, got q{q.shape} k{k.shape} g{g.shape}")
+    if v.shape[:-1] != q.shape[:-1] or beta.shape != q.shape[:-1]:
+        raise ValueError(
+            f"v / beta must match q on the leading axes {q.shape[:-1]}, "
+            f"got v{v.shape} beta{beta.shape}"
+        )
+
+
+def kda_recurrent(
+    q: Float[Array, "B T H Dk"],
+    k: Float[Array, "B T H Dk"],
+    v: Float[Array, "B T H Dv"],
+    g: Float[Array, "B T H Dk"],
+    beta: Float[Array, "B T H"],
+    scale: float | None = None,
+    initial_state: Float[Array, "B H Dk Dv"] | None = None,
+) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B H Dk Dv"]]:
+    """Step-by-step KDA (a ``lax.scan`` over ``T``): the reference every other path must meet.
+
+    Returns ``(o, final_state)``; ``o`` has ``v.dtype``, the state is float32. ``scale``
+    defaults to ``Dk ** -0.5``.
+
+    >>> B, T, H, D = 1, 5, 2, 4
+    >>> q = k = l2norm(jnp.ones((B, T, H, D)))
+    >>> o, s = kda_recurrent(q, k, jnp.ones((B, T, H, D)), -jnp.ones((B, T, H, D)),
+    ...                      jnp.full((B, T, H), 0.5))
+    >>> o.shape, s.shape
+    ((1, 5, 2, 4), (1, 2, 4, 4))
+    """
+    _check_qkv(q, k, v, g, beta)
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    scale = _default_scale(scale, Dk)
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
+    if initial_state is None:
+        initial_state = jnp.zeros((B, H, Dk, Dv), jnp.float32)
+
+    def body(state, xs):
+        return _kda_step(state, *xs, scale)
+
+    final, o = jax.lax.scan(
+        body, initial_state.astype(jnp.float32), (f32(q), f32(k), f32(v), f32(g), f32(beta))
+    )
+    return jnp.moveaxis(o, 0, 1).astype(v.dtype), final
+
+
+def kda_decode(
+    q: Float[Array, "B H Dk"],
+    k: Float[Array, "B H Dk"],
+    v: Float[Array, "B H Dv"],
+    g: Float[Array, "B H Dk"],
+    beta: Float[Array, "B H"],
+    state: Float[Array, "B H Dk Dv"],
+    scale: float | None = None,
+) -> tuple[Float[Array, "B H Dv"], Float[Array, "B H Dk Dv"]]:
+    """One KDA token for each of ``B`` requests: ``(o, new_state)``.
+
+    The state layout is the one :func:`kda_chunked` returns, so ``prefill(T)`` followed by
+    ``kda_decode`` equals ``prefill(T + 1)``.
+
+    >>> s = jnp.zeros((3, 2, 4, 4))
+    >>> o, s = kda_decode(*(jnp.full((3, 2, 4), 0.5),) * 3, -jnp.ones((3, 2, 4)),
+    ...                   jnp.ones((3, 2)), s)
+    >>> o.shape
+    (3, 2, 4)
+    """
+    _check_qkv(q, k, v, g, beta)
+    scale = _default_scale(scale, q.shape[-1])
+    f32 = lambda x: x.astype(jnp.float32)
+    new_state, o = _kda_step(
+        state.astype(jnp.float32), f32(q), f32(k), f32(v), f32(g), f32(beta), scale
+    )
+    return o.astype(v.dtype), new_state
+
+
+# --------------------------------------------------------------------------------------------
+# the chunkwise-parallel form
+# --------------------------------------------------------------------------------------------
+
+
+def _intra_chunk(q, k, v, g, beta, scale, sub):
+    """Per-chunk quantities, for ``N`` independent chunks (all batch axes flattened).
+
+    Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]``. Returns
+    ``(Qh [N,C,Dk], Oi [N,C,Dv], M [N,Dk,Dk], Bm [N,Dk,Dv])`` such that, for a chunk whose
+    start state is ``S``: ``o = Qh @ S + Oi`` and ``S_next = M @ S + Bm``.
+    """
+    N, C, Dk = k.shape
+    ns = C // sub
+    G = jnp.cumsum(g, axis=1)  # [N, C, Dk], non-increasing in C
+
+    # Reference point for sub-chunk a: G just before it (0 for the first sub-chunk).
+    Gs = G.reshape(N, ns, sub, Dk)
+    G_ref = jnp.concatenate([jnp.zeros((N, 1, Dk), G.dtype), Gs[:, :-1, -1]], axis=1)
+    left = jnp.exp(Gs - G_ref[:, :, None])  # [N, ns, sub, Dk], exponents <= 0
+    right = jnp.exp(jnp.minimum(G_ref[:, :, None] - G[:, None], 0.0))  # [N, ns, C, Dk]
+    kr = k[:, None] * right
+    # Rows of sub-chunk a against all columns; only columns j < a*sub are kept below.
+    lk = (k.reshape(N, ns, sub, Dk) * left).reshape(N * ns, sub, Dk)
+    lq = (q.reshape(N, ns, sub, Dk) * left).reshape(N * ns, sub, Dk)
+    kr = kr.reshape(N * ns, C, Dk)
+    A_kk = jnp.matmul(lk, kr.transpose(0, 2, 1)).reshape(N, C, C)
+    A_qk = jnp.matmul(lq, kr.transpose(0, 2, 1)).reshape(N, C, C)
+
+    # Diagonal sub-chunk blocks: exp of masked differences, never > 1.
+    ii = jnp.arange(sub)
+    causal = ii[:, None] >= ii[None, :]  # j <= i
+    diff = Gs[:, :, :, None, :] - Gs[:, :, None, :, :]  # [N, ns, i, j, Dk]
+    E = jnp.exp(jnp.where(causal[None, None, :, :, None], diff, -jnp.inf))
+    ks = k.reshape(N, ns, sub, Dk)
+    qs = q.reshape(N, ns, sub, Dk)
+    D_kk = jnp.einsum("nsid,nsjd,nsijd->nsij", ks, ks, E)
+    D_qk = jnp.einsum("nsid,nsjd,nsijd->nsij", qs, ks, E)
+
+    pos = jnp.arange(C)
+    blk = pos // sub
+    before = blk[None, :] < blk[:, None]  # column in an earlier sub-chunk than the row
+    same = blk[None, :] == blk[:, None]
+    eye_blk = jnp.eye(ns, dtype=k.dtype)
+    place = lambda D: (D[:, :, :, None, :] * eye_blk[None, :, None, :, None]).reshape(N, C, C)
+    strict = pos[None, :] < pos[:, None]
+    L = jnp.where(before, A_kk, 0.0) + jnp.where(same & strict, place(D_kk), 0.0)
+    L = beta[:, :, None] * L
+    A_qk = scale * (jnp.where(before, A_qk, 0.0) + jnp.where(same, place(D_qk), 0.0))
+
+    # (I + L) [W, U] = diag(beta) [exp(G) K, V]
+    eG = jnp.exp(G)
+    rhs = beta[:, :, None] * jnp.concatenate([eG * k, v], axis=-1)
+    WU = jax.lax.linalg.triangular_solve(
+        L, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+    W, U = WU[..., :Dk], WU[..., Dk:]
+
+    Qh = scale * eG * q - jnp.matmul(A_qk, W)
+    Oi = jnp.matmul(A_qk, U)
+    G_last = G[:, -1]  # [N, Dk]
+    Kt = k * jnp.exp(G_last[:, None] - G)  # exponents <= 0
+    KtT = Kt.transpose(0, 2, 1)
+    M = jax.vmap(jnp.diag)(jnp.exp(G_last)) - jnp.matmul(KtT, W)
+    Bm = jnp.matmul(KtT, U)
+    return Qh, Oi, M, Bm
+
+
+def _chunk_sizes(chunk_size: int) -> int:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return math.gcd(chunk_size, _SUB_CHUNK)
+
+
+def _scan_chunks(M, Bm, S0, reset_idx, init):
+    """``S <- M @ S + Bm`` over chunks (axis 1), with optional state resets.
+
+    ``M [B, NC, H, Dk, Dk]``, ``Bm [B, NC, H, Dk, Dv]``, ``S0 [B, H, Dk, Dv]``. When
+    ``reset_idx`` (``[NC]``) is given, chunk ``c`` with ``reset_idx[c] >= 0`` starts from
+    ``init[reset_idx[c]]`` instead of the carried state. Returns ``(S_in, S_out)``, the states
+    entering and leaving every chunk, ``[B, NC, H, Dk, Dv]``.
+    """
+
+    def body(S, xs):
+        if reset_idx is None:
+            m, b = xs
+        else:
+            m, b, r = xs
+            S = jnp.where(r >= 0, init[jnp.maximum(r, 0)][None], S)
+        S_next = jnp.matmul(m, S) + b
+        return S_next, (S, S_next)
+
+    xs = (jnp.moveaxis(M, 1, 0), jnp.moveaxis(Bm, 1, 0))
+    if reset_idx is not None:
+        xs = xs + (reset_idx,)
+    _, (S_in, S_out) = jax.lax.scan(body, S0, xs)
+    return jnp.moveaxis(S_in, 0, 1), jnp.moveaxis(S_out, 0, 1)
+
+
+def _to_chunks(x, C):
+    """``[B, T', H, D] -> [B*NC*H, C, D]`` with ``T' = NC*C`` (heads before time)."""
+    B, Tp, H = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape(B, Tp // C, C, H, *rest)
+    x = jnp.moveaxis(x, 3, 2)  # [B, NC, H, C, ...]
+    return x.reshape(B * (Tp // C) * H, C, *rest)
+
+
+def _chunked_core(q, k, v, g, beta, scale, C, S0, reset_idx=None, init=None):
+    """Chunked KDA over ``[B, NC*C, H, D]`` f32 inputs whose padding is neutral.
+
+    Returns ``(o [B, NC*C, H, Dv], S_in, S_out)`` with states ``[B, NC, H, Dk, Dv]``.
+    """
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[-1]
+    NC = Tp // C
+    sub = math.gcd(C, _SUB_CHUNK)
+    Qh, Oi, M, Bm = _intra_chunk(
+        _to_chunks(q, C),
+        _to_chunks(k, C),
+        _to_chunks(v, C),
+        _to_chunks(g, C),
+        _to_chunks(beta, C),
+        scale,
+        sub,
+    )
+    shape = lambda x: x.reshape(B, NC, H, *x.shape[1:])
+    S_in, S_out = _scan_chunks(shape(M), shape(Bm), S0, reset_idx, init)
+    o = jnp.matmul(Qh, S_in.reshape(B * NC * H, Dk, Dv)) + Oi  # [B*NC*H, C, Dv]
+    o = jnp.moveaxis(o.reshape(B, NC, H, C, Dv), 2, 3).reshape(B, Tp, H, Dv)
+    return o, S_in, S_out
+
+
+def kda_chunked(
+    q: Float[Array, "B T H Dk"],
+    k: Float[Array, "B T H Dk"],
+    v: Float[Array, "B T H Dv"],
+    g: Float[Array, "B T H Dk"],
+    beta: Float[Array, "B T H"],
+    scale: float | None = None,
+    initial_state: Float[Array, "N H Dk Dv"] | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: Int[Array, " Np1"] | None = None,
+    return_chunk_states: bool = False,
+):
+    """Chunkwise-parallel KDA, equal to :func:`kda_recurrent` (see the module docstring).
+
+    * Any ``T`` (including ``T < chunk_size``); the tail chunk is padded with neutral tokens
+      (``k = v = 0``, ``g = 0``, ``beta = 0``), which leave the state unchanged.
+    * ``cu_seqlens`` (``[N + 1]`` int, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``) packs
+      ``N`` variable-length sequences into ``B == 1``; then ``initial_state`` and the final
+      state are ``[N, H, Dk, Dv]``. It may be a traced value: shapes depend only on ``T``,
+      ``N`` and ``chunk_size``.
+    * ``return_chunk_states=True`` also returns a :class:`ChunkStates` with the state at every
+      chunk boundary (what a prefix cache snapshots).
+
+    Returns ``(o, final_state)`` or ``(o, final_state, chunk_states)``; ``o`` has ``v.dtype``.
+
+    >>> B, T, H, D = 1, 100, 2, 16
+    >>> ks = jax.random.split(jax.random.key(0), 4)
+    >>> q, k = (l2norm(jax.random.normal(x, (B, T, H, D))) for x in ks[:2])
+    >>> v = jax.random.normal(ks[2], (B, T, H, D))
+    >>> g = -jax.random.uniform(ks[3], (B, T, H, D))
+    >>> beta = jnp.full((B, T, H), 0.5)
+    >>> o1, s1 = kda_chunked(q, k, v, g, beta, chunk_size=32)
+    >>> o2, s2 = kda_recurrent(q, k, v, g, beta)
+    >>> bool(jnp.allclose(o1, o2, atol=1e-4)), bool(jnp.allclose(s1, s2, atol=1e-4))
+    (True, True)
+    """
+    _check_qkv(q, k, v, g, beta)
+    _chunk_sizes(chunk_size)
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    scale = _default_scale(scale, Dk)
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k, vf, g, beta = f32(q), f32(k), f32(v), f32(g), f32(beta)
+
+    if cu_seqlens is None:
+        if initial_state is None:
+            S0 = jnp.zeros((B, H, Dk, Dv), jnp.float32)
+        else:
+            if initial_state.shape != (B, H, Dk, Dv):
+                raise ValueError(
+                    f"initial_state has shape {initial_state.shape}, expected {(B, H, Dk, Dv)}"
+                )
+            S0 = f32(initial_state)
+        NC = max(1, -(-T // C))
+        pad = NC * C - T
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        o, _, S_out = _chunked_core(
+            padt(q), padt(k), padt(vf), padt(g), padt(beta), scale, C, S0
+        )
+        o = o[:, :T].astype(v.dtype)
+        final = S_out[:, -1]
+        if not return_chunk_states:
+            return o, final
+        ends = jnp.minimum((jnp.arange(NC) + 1) * C, T).astype(jnp.int32)
+        cs = ChunkStates(
+            S_out,
+            jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC)),
+            jnp.broadcast_to(ends[None], (B, NC)),
+        )
+        return o, final, cs
+
+    # ---- packed variable-length sequences ----
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B={B}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got shape {cu_seqlens.shape}")
+    N = cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        init = jnp.zeros((N, H, Dk, Dv), jnp.float32)
+    else:
+        if initial_state.shape != (N, H, Dk, Dv):
+            raise ValueError(
+                f"initial_state has shape {initial_state.shape}, expected {(N, H, Dk, Dv)} "
+                f"(one state per sequence of cu_seqlens)"
+            )
+        init = f32(initial_state)
+    cu = cu_seqlens.astype(jnp.int32)
+    lens = cu[1:] - cu[:-1]
+    nchunks = -(-lens // C)  # chunks per sequence
+    first_chunk = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks)[:-1]])
+    NCb = max(1, (T + N * (C - 1)) // C)  # static bound on sum(ceil(len / C))
+
+    # Buffer position of each packed token: its sequence starts on a fresh chunk.
+    tok = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, N - 1).astype(jnp.int32)
+    local = tok - cu[seq]
+    dest = first_chunk[seq] * C + local
+
+    def to_buf(x):
+        buf = jnp.zeros((1, NCb * C) + x.shape[2:], x.dtype)
+        return buf.at[0, dest].set(x[0], unique_indices=True, mode="drop")
+
+    chunk = jnp.arange(NCb, dtype=jnp.int32)
+    starts = jnp.full((NCb,), -1, jnp.int32)
+    starts = starts.at[jnp.where(lens > 0, first_chunk, NCb)].set(
+        jnp.arange(N, dtype=jnp.int32), mode="drop"
+    )
+    o_buf, _, S_out = _chunked_core(
+        to_buf(q), to_buf(k), to_buf(vf), to_buf(g), to_buf(beta), scale, C,
+        init[:1] * 0.0, reset_idx=starts, init=init,
+    )
+    o = o_buf[:, dest].astype(v.dtype)
+    last = jnp.clip(first_chunk + nchunks - 1, 0, NCb - 1)
+    final = jnp.where((lens > 0)[:, None, None, None], S_out[0, last], init)
+    if not return_chunk_states:
+        return o, final
+    # Which sequence owns each buffer chunk, and how many of its tokens it has consumed.
+    owner = jnp.clip(jnp.searchsorted(first_chunk + nchunks, chunk, side="right"), 0, N)
+    used = (owner < N) & (chunk >= first_chunk[jnp.minimum(owner, N - 1)])
+    owner_c = jnp.minimum(owner, N - 1)
+    consumed = jnp.minimum((chunk - first_chunk[owner_c] + 1) * C, lens[owner_c])
+    cs = ChunkStates(
+        S_out,
+        jnp.where(used, owner_c, -1)[None],
+        jnp.where(used, consumed, 0).astype(jnp.int32)[None],
+    )
+    return o, final, cs
+
+
+# --------------------------------------------------------------------------------------------
+# short convolution
+# --------------------------------------------------------------------------------------------
+
+
+def _conv_weight(weight, C):
+    w = weight
+    if w.ndim == 3:  # checkpoint layout [C, 1, K]
+        if w.shape[1] != 1:
+            raise ValueError(f"conv weight of shape {weight.shape}: expected [C, 1, K] or [C, K]")
+        w = w[:, 0, :]
+    if w.ndim != 2 or w.shape[0] != C:
+        raise ValueError(f"conv weight of shape {weight.shape} does not match C={C}")
+    if w.shape[1] < 2:
+        raise ValueError(f"conv kernel size must be >= 2, got weight shape {weight.shape}")
+    return w.astype(jnp.float32)
+
+
+def short_conv(
+    x: Float[Array, "B T C"],
+    weight: Float[Array, "..."],
+    state: Float[Array, "N Km1 C"] | None = None,
+    cu_seqlens: Int[Array, " Np1"] | None = None,
+) -> tuple[Float[Array, "B T C"], Float[Array, "N Km1 C"]]:
+    """Depthwise causal convolution of kernel ``K`` followed by SiLU.
+
+    ``weight`` is ``[C, K]`` (or the checkpoint's ``[C, 1, K]``); ``y_t = silu(sum_j w[:, j]
+    * x_{t-K+1+j})`` where inputs before the start come from ``state`` (the last ``K - 1``
+    inputs, ``[B, K-1, C]``, zeros if ``None``). Returns ``(y, new_state)``. With
+    ``cu_seqlens`` (``B == 1``, ``N`` packed sequences) ``state`` and ``new_state`` are
+    ``[N, K-1, C]`` and no sequence sees another's inputs.
+
+    >>> y, s = short_conv(jnp.ones((1, 5, 3)), jnp.ones((3, 4)))
+    >>> y.shape, s.shape
+    ((1, 5, 3), (1, 3, 3))
+    """
+    B, T, C = x.shape
+    w = _conv_weight(weight, C)
+    K = w.shape[1]
+    xf = x.astype(jnp.float32)
+    if cu_seqlens is None:
+        if state is None:
+            state = jnp.zeros((B, K - 1, C), x.dtype)
+        if state.shape != (B, K - 1, C):
+            raise ValueError(f"conv state has shape {state.shape}, expected {(B, K - 1, C)}")
+        full = jnp.concatenate([state.astype(jnp.float32), xf], axis=1)  # [B, K-1+T, C]
+        y = sum(full[:, j : j + T] * w[:, j] for j in range(K))
+        new_state = full[:, T:].astype(x.dtype)
+        return jax.nn.silu(y).astype(x.dtype), new_state
+
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B={B}")
+    N = cu_seqlens.shape[0] - 1
+    if state is None:
+        state = jnp.zeros((N, K - 1, C), x.dtype)
+    if state.shape != (N, K - 1, C):
+        raise ValueError(f"conv state has shape {state.shape}, expected {(N, K - 1, C)}")
+    cu = cu_seqlens.astype(jnp.int32)
+    st = state.astype(jnp.float32)
+    tok = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, N - 1)
+    local = tok - cu[seq]
+
+    def lookback(s):
+        """Input ``s`` steps before each token (``s >= 1``), from x or from the state."""
+        from_x = xf[0, jnp.clip(tok - s, 0, T - 1)]
+        from_state = st[seq, jnp.clip(K - 1 + local - s, 0, K - 2)]
+        return jnp.where((local - s >= 0)[:, None], from_x, from_state)
+
+    y = xf[0] * w[:, K - 1]
+    for s in range(1, K):
+        y = y + lookback(s) * w[:, K - 1 - s]
+    # New state: the last K-1 inputs of [state, x_seq] for every sequence.
+    lens = cu[1:] - cu[:-1]
+    m = jnp.arange(K - 1, dtype=jnp.int32)
+    pos = lens[:, None] - (K - 1) + m[None, :]  # local positions, may be negative
+    from_x = xf[0, jnp.clip(cu[:-1, None] + pos, 0, T - 1)]
+    from_state = st[jnp.arange(N)[:, None], jnp.clip(K - 1 + pos, 0, K - 2)]
+    new_state = jnp.where((pos >= 0)[..., None], from_x, from_state).astype(x.dtype)
+    return jax.nn.silu(y)[None].astype(x.dtype), new_state
