@@ -1,0 +1,378 @@
+"""The KV pool and its slot allocator, as data plus pure functions.
+
+A :class:`KVPool` holds, per layer, one key and one value array of shape
+``[num_slots, n_kv_heads, head_dim]``; a token's KV lives at one *slot* (row) in every layer.
+Slot 0 is the padding sink: the allocator never hands it out, and padded rows of a batch read
+and write slot 0, so they never touch a live slot.
+
+Every function returns a new value and leaves its inputs unchanged. MLX updates a buffer in
+place only when nothing else holds the old array, so use a pool *linearly* (rebind the name and
+drop the old pool) to make a write cost O(tokens written) rather than O(pool size)::
+
+    pool = set_kv(pool, layer, slots, k, v)   # linear: the old pool is dropped, in place
+    new = set_kv(pool, layer, slots, k, v)    # `pool` still held: the write copies the layer
+
+The pool functions check shapes on the host and then use only pure MLX ops
+(``put_along_axis``/``take``), so they also work under :func:`mx.compile`. Slot *values* are not
+range-checked (that would need a device sync); the allocator guarantees them.
+
+The allocator (:class:`SlotAllocator`) is a free stack in a read-only numpy array: ``alloc`` of
+``n`` slots is O(n) (a view of the stack), ``free`` is O(num_slots) (vectorised numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = [
+    "KVPool",
+    "PoolExhausted",
+    "SlotAllocator",
+    "alloc",
+    "bytes_per_token_slot",
+    "free",
+    "get_kv",
+    "init_allocator",
+    "init_pool",
+    "set_kv",
+    "set_kv_all_layers",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# KV pool
+# --------------------------------------------------------------------------------------------
+
+
+class KVPool(NamedTuple):
+    """Per-layer key and value arrays, each ``[num_slots, n_kv_heads, head_dim]``.
+
+    Example:
+        >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
+        >>> pool.num_slots, pool.bytes_per_slot
+        (8, 512)
+    """
+
+    keys: tuple[mx.array, ...]
+    values: tuple[mx.array, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.keys[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all key and value arrays together."""
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one token slot takes across all layers, keys and values."""
+        return bytes_per_token_slot(self.num_layers, self.n_kv_heads, self.head_dim, self.dtype)
+
+
+def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
+    """Bytes one token slot takes: keys and values of every layer.
+
+    Example:
+        >>> bytes_per_token_slot(num_layers=2, n_kv_heads=4, head_dim=16, dtype=mx.float16)
+        512
+    """
+    return 2 * num_layers * n_kv_heads * head_dim * dtype.size
+
+
+def init_pool(
+    num_layers: int,
+    num_slots: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype = mx.float16,
+) -> KVPool:
+    """A zeroed pool: ``num_layers`` key and value arrays of ``[num_slots, n_kv_heads, head_dim]``.
+
+    ``num_slots`` counts the padding sink (slot 0), so it must be at least 2.
+
+    Example:
+        >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
+        >>> pool.keys[0].shape
+        (8, 4, 16)
+    """
+    for name, value, low in (
+        ("num_layers", num_layers, 1),
+        ("num_slots", num_slots, 2),
+        ("n_kv_heads", n_kv_heads, 1),
+        ("head_dim", head_dim, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            hint = " (slot 0 is the padding sink)" if name == "num_slots" else ""
+            raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+    shape = (num_slots, n_kv_heads, head_dim)
+    return KVPool(
+        keys=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
+        values=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
+    )
+
+
+def _check_layer(pool: KVPool, layer: int) -> None:
+    if not isinstance(layer, int | np.integer) or not 0 <= layer < pool.num_layers:
+        raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
+
+
+def _as_slots(slots: mx.array | Sequence[int]) -> mx.array:
+    """``slots`` as a 1-D integer ``mx.array`` ``[T]``."""
+    if not isinstance(slots, mx.array):
+        slots = mx.array(list(slots), dtype=mx.int32)
+    if slots.ndim != 1 or not mx.issubdtype(slots.dtype, mx.integer):
+        raise ValueError(
+            f"slots must be a 1-D integer array [T], got shape {slots.shape} dtype {slots.dtype}"
+        )
+    return slots
+
+
+def _as_rows(pool: KVPool, name: str, x: mx.array, num_tokens: int) -> mx.array:
+    """``x`` as ``[T, n_kv_heads, head_dim]`` in the pool's dtype.
+
+    Accepts ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``.
+    """
+    want = (num_tokens, pool.n_kv_heads, pool.head_dim)
+    if x.ndim == 4 and x.shape[0] == 1:
+        x = x[0].swapaxes(0, 1)
+    if tuple(x.shape) != want:
+        raise ValueError(
+            f"{name} must be [T, n_kv_heads, head_dim] = {list(want)} or "
+            f"[1, n_kv_heads, T, head_dim] = {[1, want[1], want[0], want[2]]}, "
+            f"got shape {list(x.shape)}"
+        )
+    return x.astype(pool.dtype)
+
+
+def _scatter_rows(dst: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """``dst`` with ``dst[slots[i]] = rows[i]``, as a pure op (no in-place assignment)."""
+    index = mx.broadcast_to(slots[:, None, None], rows.shape)
+    return mx.put_along_axis(dst, index, rows, axis=0)
+
+
+def _replace_at(xs: tuple[mx.array, ...], i: int, x: mx.array) -> tuple[mx.array, ...]:
+    return xs[:i] + (x,) + xs[i + 1 :]
+
+
+def set_kv(
+    pool: KVPool, layer: int, slots: mx.array | Sequence[int], k: mx.array, v: mx.array
+) -> KVPool:
+    """A pool with ``k``/``v`` written at ``slots`` of ``layer``; ``pool`` is unchanged.
+
+    Args:
+        pool: the pool to write into.
+        layer: layer index in ``[0, num_layers)``.
+        slots: int ``[T]``; padded rows should point at slot 0.
+        k, v: ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``;
+            cast to the pool's dtype.
+
+    If two entries of ``slots`` coincide (e.g. several padded rows at slot 0), which of their
+    rows lands is unspecified.
+
+    Example:
+        >>> pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=1, head_dim=2)
+        >>> pool = set_kv(pool, 0, mx.array([2]), mx.ones((1, 1, 2)), mx.ones((1, 1, 2)))
+        >>> get_kv(pool, 0, mx.array([2]))[0].tolist()
+        [[[1.0, 1.0]]]
+    """
+    _check_layer(pool, layer)
+    slots = _as_slots(slots)
+    t = slots.shape[0]
+    k = _as_rows(pool, "k", k, t)
+    v = _as_rows(pool, "v", v, t)
+    return KVPool(
+        keys=_replace_at(pool.keys, layer, _scatter_rows(pool.keys[layer], slots, k)),
+        values=_replace_at(pool.values, layer, _scatter_rows(pool.values[layer], slots, v)),
+    )
+
+
+def set_kv_all_layers(
+    pool: KVPool,
+    slots: mx.array | Sequence[int],
+    ks: Sequence[mx.array],
+    vs: Sequence[mx.array],
+) -> KVPool:
+    """A pool with ``ks[l]``/``vs[l]`` written at ``slots`` of every layer ``l``.
+
+    Args:
+        slots: int ``[T]``.
+        ks, vs: ``num_layers`` arrays each, shaped as for :func:`set_kv`.
+
+    Example:
+        >>> pool = init_pool(num_layers=2, num_slots=4, n_kv_heads=1, head_dim=2)
+        >>> kv = [mx.ones((1, 1, 2))] * 2
+        >>> pool = set_kv_all_layers(pool, mx.array([3]), kv, kv)
+        >>> get_kv(pool, 1, mx.array([3]))[1].tolist()
+        [[[1.0, 1.0]]]
+    """
+    if len(ks) != pool.num_layers or len(vs) != pool.num_layers:
+        raise ValueError(
+            f"need one k and one v per layer ({pool.num_layers}), got {len(ks)} ks and {len(vs)} vs"
+        )
+    slots = _as_slots(slots)
+    t = slots.shape[0]
+    ks = [_as_rows(pool, f"ks[{i}]", k, t) for i, k in enumerate(ks)]
+    vs = [_as_rows(pool, f"vs[{i}]", v, t) for i, v in enumerate(vs)]
+    return KVPool(
+        keys=tuple(_scatter_rows(dst, slots, k) for dst, k in zip(pool.keys, ks, strict=True)),
+        values=tuple(_scatter_rows(dst, slots, v) for dst, v in zip(pool.values, vs, strict=True)),
+    )
+
+
+def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[mx.array, mx.array]:
+    """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]``.
+
+    Example:
+        >>> pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=2, head_dim=8)
+        >>> k, v = get_kv(pool, 0, mx.array([0, 3, 1]))
+        >>> k.shape
+        (3, 2, 8)
+    """
+    _check_layer(pool, layer)
+    slots = _as_slots(slots)
+    return mx.take(pool.keys[layer], slots, axis=0), mx.take(pool.values[layer], slots, axis=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Slot allocator
+# --------------------------------------------------------------------------------------------
+
+
+class PoolExhausted(RuntimeError):
+    """More slots were requested than are free (after any eviction the caller tried).
+
+    Example:
+        >>> str(PoolExhausted(requested=5, available=2))
+        'KV pool exhausted: requested 5 slots, 2 available'
+    """
+
+    def __init__(self, requested: int, available: int):
+        self.requested = requested
+        self.available = available
+        super().__init__(f"KV pool exhausted: requested {requested} slots, {available} available")
+
+
+class SlotAllocator(NamedTuple):
+    """A free stack of slot ids in ``[1, num_slots)``; slot 0 (the padding sink) is never free.
+
+    ``free_slots`` is a read-only int64 array ``[num_free]``; :func:`alloc` pops from its end.
+
+    Example:
+        >>> a = init_allocator(4)
+        >>> a.num_free
+        3
+    """
+
+    free_slots: np.ndarray
+    num_slots: int
+
+    @property
+    def num_free(self) -> int:
+        return int(self.free_slots.shape[0])
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def init_allocator(num_slots: int) -> SlotAllocator:
+    """An allocator with slots ``1 .. num_slots - 1`` free, handed out in increasing order.
+
+    Example:
+        >>> alloc(init_allocator(8), 3)[1]
+        [1, 2, 3]
+    """
+    if not isinstance(num_slots, int) or num_slots < 2:
+        raise ValueError(
+            f"num_slots must be an int >= 2 (slot 0 is the padding sink), got {num_slots!r}"
+        )
+    return SlotAllocator(
+        free_slots=_frozen(np.arange(num_slots - 1, 0, -1, dtype=np.int64)), num_slots=num_slots
+    )
+
+
+def alloc(a: SlotAllocator, n: int) -> tuple[SlotAllocator, list[int] | None, bool]:
+    """Take ``n`` free slots: ``(new_allocator, slots, True)``.
+
+    If fewer than ``n`` are free, returns ``(a, None, False)`` with ``a`` itself unchanged, so the
+    caller can evict and retry (or raise :class:`PoolExhausted`).
+
+    Example:
+        >>> a = init_allocator(4)
+        >>> a, slots, ok = alloc(a, 2)
+        >>> slots, ok, a.num_free
+        ([1, 2], True, 1)
+        >>> alloc(a, 2)[1:]
+        (None, False)
+    """
+    if not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if n > a.num_free:
+        return a, None, False
+    if n == 0:
+        return a, [], True
+    stack = a.free_slots
+    return a._replace(free_slots=stack[:-n]), stack[-n:][::-1].tolist(), True
+
+
+def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> SlotAllocator:
+    """Return ``slots`` to the allocator: a new allocator; ``a`` is unchanged.
+
+    Raises ValueError (naming the slots) for slot 0, slots outside ``[1, num_slots)``, repeats
+    within ``slots``, or slots that are already free (a double free).
+
+    Example:
+        >>> a, slots, _ = alloc(init_allocator(4), 2)
+        >>> free(a, slots).num_free
+        3
+    """
+    if isinstance(slots, np.ndarray | mx.array):
+        arr = np.asarray(slots).reshape(-1)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"slots must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    else:
+        items = list(slots)
+        bad = [s for s in items if not isinstance(s, int | np.integer)]
+        if bad:
+            raise ValueError(f"slots must be integers, got {bad[:8]}")
+        arr = np.asarray(items, dtype=np.int64)
+    if arr.size == 0:
+        return a
+    if np.any(arr == 0):
+        raise ValueError("cannot free slot 0: it is the padding sink and never allocated")
+    out = arr[(arr < 1) | (arr >= a.num_slots)]
+    if out.size:
+        raise ValueError(f"slots out of range [1, {a.num_slots}): {out[:8].tolist()}")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(f"slots repeated in one free: {uniq[counts > 1][:8].tolist()}")
+    is_free = np.zeros(a.num_slots, dtype=bool)
+    is_free[a.free_slots] = True
+    double = arr[is_free[arr]]
+    if double.size:
+        raise ValueError(f"double free: slots already free: {double[:8].tolist()}")
+    return a._replace(free_slots=_frozen(np.concatenate([a.free_slots, arr[::-1]])))
