@@ -49,7 +49,6 @@ sequential work is ``S <- M S + B``: one ``[Dk, Dk] @ [Dk, Dv]`` matmul per chun
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -65,10 +64,6 @@ __all__ = [
     "l2norm",
     "short_conv",
 ]
-
-# Sub-chunk size for the exact intra-chunk decay factors (see the module docstring).
-_SUB_CHUNK = 16
-
 
 class ChunkStates(NamedTuple):
     """Recurrent states at chunk boundaries, as returned by ``kda_chunked(...,
@@ -240,94 +235,95 @@ def kda_decode(
 # --------------------------------------------------------------------------------------------
 
 
-def _intra_chunk(q, k, v, g, beta, scale, sub):
-    """Per-chunk quantities, for ``N`` independent chunks (all batch axes flattened).
+def _intra_chunk(q, k, v, g, beta, scale):
+    """Per-chunk quantities for ``N`` independent chunks (all batch axes flattened).
 
-    Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]``. Returns
-    ``(Qh [N,C,Dk], Oi [N,C,Dv], M [N,Dk,Dk], Bm [N,Dk,Dv])`` such that, for a chunk whose
-    start state is ``S``: ``o = Qh @ S + Oi`` and ``S_next = M @ S + Bm``.
+    Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]`` with ``C`` a power
+    of two. Returns ``(Qh, Oi, W, U, KtT, decay)`` with ``Qh [N,C,Dk]``, ``Oi, W, U`` as in the
+    module docstring, ``KtT [N,Dk,C]`` and ``decay = exp(G_last) [N, Dk]``: for a chunk whose
+    start state is ``S``, ``o = Qh @ S + Oi`` and
+    ``S_next = decay[:, None] * S + KtT @ (U - W @ S)``.
+
+    The lower-triangular matrices ``A_kk``, ``A_qk`` and the inverse of ``I + L`` are built
+    bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block size ``s`` every ``2s`` block
+    gains its lower-left ``s x s`` quadrant, whose decay factors go through the reference
+    point between the two halves, so every exponent is ``<= 0``.
     """
     N, C, Dk = k.shape
-    ns = C // sub
-    G = jnp.cumsum(g, axis=1)  # [N, C, Dk], non-increasing in C
-
-    # Reference point for sub-chunk a: G just before it (0 for the first sub-chunk).
-    Gs = G.reshape(N, ns, sub, Dk)
-    G_ref = jnp.concatenate([jnp.zeros((N, 1, Dk), G.dtype), Gs[:, :-1, -1]], axis=1)
-    left = jnp.exp(Gs - G_ref[:, :, None])  # [N, ns, sub, Dk], exponents <= 0
-    right = jnp.exp(jnp.minimum(G_ref[:, :, None] - G[:, None], 0.0))  # [N, ns, C, Dk]
-    kr = k[:, None] * right
-    # Rows of sub-chunk a against all columns; only columns j < a*sub are kept below.
-    lk = (k.reshape(N, ns, sub, Dk) * left).reshape(N * ns, sub, Dk)
-    lq = (q.reshape(N, ns, sub, Dk) * left).reshape(N * ns, sub, Dk)
-    kr = kr.reshape(N * ns, C, Dk)
-    A_kk = jnp.matmul(lk, kr.transpose(0, 2, 1)).reshape(N, C, C)
-    A_qk = jnp.matmul(lq, kr.transpose(0, 2, 1)).reshape(N, C, C)
-
-    # Diagonal sub-chunk blocks: exp of masked differences, never > 1.
-    ii = jnp.arange(sub)
-    causal = ii[:, None] >= ii[None, :]  # j <= i
-    diff = Gs[:, :, :, None, :] - Gs[:, :, None, :, :]  # [N, ns, i, j, Dk]
-    E = jnp.exp(jnp.where(causal[None, None, :, :, None], diff, -jnp.inf))
-    ks = k.reshape(N, ns, sub, Dk)
-    qs = q.reshape(N, ns, sub, Dk)
-    D_kk = jnp.einsum("nsid,nsjd,nsijd->nsij", ks, ks, E)
-    D_qk = jnp.einsum("nsid,nsjd,nsijd->nsij", qs, ks, E)
-
-    pos = jnp.arange(C)
-    blk = pos // sub
-    before = blk[None, :] < blk[:, None]  # column in an earlier sub-chunk than the row
-    same = blk[None, :] == blk[:, None]
-    eye_blk = jnp.eye(ns, dtype=k.dtype)
-    place = lambda D: (D[:, :, :, None, :] * eye_blk[None, :, None, :, None]).reshape(N, C, C)
-    strict = pos[None, :] < pos[:, None]
-    L = jnp.where(before, A_kk, 0.0) + jnp.where(same & strict, place(D_kk), 0.0)
-    L = beta[:, :, None] * L
-    A_qk = scale * (jnp.where(before, A_qk, 0.0) + jnp.where(same, place(D_qk), 0.0))
+    A_kk = jnp.zeros((N, C, 1, 1), jnp.float32)  # strictly lower: no diagonal
+    A_qk = jnp.sum(q * k, axis=-1)[:, :, None, None]  # exp(G_i - G_i) = 1 on the diagonal
+    T_inv = jnp.ones((N, C, 1, 1), jnp.float32)  # (I + L)^-1, block by block
+    G = g  # inclusive cumulative log-decay within blocks of the current size
+    s = 1
+    while s < C:
+        nb = C // (2 * s)
+        G2 = G.reshape(N, nb, 2, s, Dk)
+        first, second = G2[:, :, 0], G2[:, :, 1]
+        total = first[:, :, -1:]  # log-decay across the first half (the reference point)
+        left = jnp.exp(second)  # exp(G_i - G_r) for rows i of the second half
+        right = jnp.exp(total - first)  # exp(G_r - G_j) for columns j of the first half
+        k2 = k.reshape(N, nb, 2, s, Dk)
+        q2 = q.reshape(N, nb, 2, s, Dk)
+        lhs = jnp.concatenate([k2[:, :, 1] * left, q2[:, :, 1] * left], axis=2)
+        rhs = jnp.swapaxes(k2[:, :, 0] * right, -1, -2)
+        off = jnp.matmul(lhs, rhs)  # [N, nb, 2s, s]
+        off_kk, off_qk = off[:, :, :s], off[:, :, s:]
+        L_off = beta.reshape(N, nb, 2, s)[:, :, 1, :, None] * off_kk
+        T2 = T_inv.reshape(N, nb, 2, s, s)
+        T_off = -jnp.matmul(T2[:, :, 1], jnp.matmul(L_off, T2[:, :, 0]))
+        A_kk = _merge_blocks(A_kk, off_kk)
+        A_qk = _merge_blocks(A_qk, off_qk)
+        T_inv = _merge_blocks(T_inv, T_off)
+        G = jnp.concatenate([first, second + total], axis=2).reshape(N, C, Dk)
+        s *= 2
+    A_qk = scale * A_qk.reshape(N, C, C)
+    T_inv = T_inv.reshape(N, C, C)
 
     # (I + L) [W, U] = diag(beta) [exp(G) K, V]
     eG = jnp.exp(G)
-    rhs = beta[:, :, None] * jnp.concatenate([eG * k, v], axis=-1)
-    WU = jax.lax.linalg.triangular_solve(
-        L, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
-    W, U = WU[..., :Dk], WU[..., Dk:]
-
-    Qh = scale * eG * q - jnp.matmul(A_qk, W)
-    Oi = jnp.matmul(A_qk, U)
-    G_last = G[:, -1]  # [N, Dk]
-    Kt = k * jnp.exp(G_last[:, None] - G)  # exponents <= 0
-    KtT = Kt.transpose(0, 2, 1)
-    M = jax.vmap(jnp.diag)(jnp.exp(G_last)) - jnp.matmul(KtT, W)
-    Bm = jnp.matmul(KtT, U)
-    return Qh, Oi, M, Bm
+    WU = jnp.matmul(T_inv, beta[:, :, None] * jnp.concatenate([eG * k, v], axis=-1))
+    AWU = jnp.matmul(A_qk, WU)
+    Qh = scale * eG * q - AWU[..., :Dk]
+    G_last = G[:, -1:]
+    KtT = jnp.swapaxes(k * jnp.exp(G_last - G), 1, 2)  # exponents <= 0
+    return Qh, AWU[..., Dk:], WU[..., :Dk], WU[..., Dk:], KtT, jnp.exp(G_last[:, 0])
 
 
-def _chunk_sizes(chunk_size: int) -> int:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return math.gcd(chunk_size, _SUB_CHUNK)
+def _merge_blocks(diag, off):
+    """Lower-triangular ``[N, 2nb, s, s]`` diagonal blocks plus ``[N, nb, s, s]`` lower-left
+    quadrants -> ``[N, nb, 2s, 2s]`` blocks."""
+    N, n2, s, _ = diag.shape
+    diag = diag.reshape(N, n2 // 2, 2, s, s)
+    top = jnp.concatenate([diag[:, :, 0], jnp.zeros_like(diag[:, :, 0])], axis=-1)
+    bottom = jnp.concatenate([off, diag[:, :, 1]], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
 
 
-def _scan_chunks(M, Bm, S0, reset_idx, init):
-    """``S <- M @ S + Bm`` over chunks (axis 1), with optional state resets.
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
 
-    ``M [B, NC, H, Dk, Dk]``, ``Bm [B, NC, H, Dk, Dv]``, ``S0 [B, H, Dk, Dv]``. When
-    ``reset_idx`` (``[NC]``) is given, chunk ``c`` with ``reset_idx[c] >= 0`` starts from
-    ``init[reset_idx[c]]`` instead of the carried state. Returns ``(S_in, S_out)``, the states
-    entering and leaving every chunk, ``[B, NC, H, Dk, Dv]``.
+
+def _scan_chunks(W, U, KtT, decay, S0, reset_idx, init):
+    """The only sequential part: carry the state across chunks (axis 1).
+
+    ``W, U [B, NC, H, C, D*]``, ``KtT [B, NC, H, Dk, C]``, ``decay [B, NC, H, Dk]``,
+    ``S0 [B, H, Dk, Dv]``. When ``reset_idx`` (``[NC]``) is given, chunk ``c`` with
+    ``reset_idx[c] >= 0`` starts from ``init[reset_idx[c]]`` instead of the carried state
+    (packed sequences). Returns ``(S_in, S_out)``, the states entering and leaving every
+    chunk, ``[B, NC, H, Dk, Dv]``.
     """
 
     def body(S, xs):
         if reset_idx is None:
-            m, b = xs
+            w, u, ktT, d = xs
         else:
-            m, b, r = xs
+            w, u, ktT, d, r = xs
             S = jnp.where(r >= 0, init[jnp.maximum(r, 0)][None], S)
-        S_next = jnp.matmul(m, S) + b
+        S_next = d[..., None] * S + jnp.matmul(ktT, u - jnp.matmul(w, S))
         return S_next, (S, S_next)
 
-    xs = (jnp.moveaxis(M, 1, 0), jnp.moveaxis(Bm, 1, 0))
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (W, U, KtT, decay))
     if reset_idx is not None:
         xs = xs + (reset_idx,)
     _, (S_in, S_out) = jax.lax.scan(body, S0, xs)
@@ -351,18 +347,13 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, reset_idx=None, init=None):
     B, Tp, H, Dk = q.shape
     Dv = v.shape[-1]
     NC = Tp // C
-    sub = math.gcd(C, _SUB_CHUNK)
-    Qh, Oi, M, Bm = _intra_chunk(
-        _to_chunks(q, C),
-        _to_chunks(k, C),
-        _to_chunks(v, C),
-        _to_chunks(g, C),
-        _to_chunks(beta, C),
-        scale,
-        sub,
+    Qh, Oi, W, U, KtT, decay = _intra_chunk(
+        *(_to_chunks(x, C) for x in (q, k, v, g, beta)), scale
     )
     shape = lambda x: x.reshape(B, NC, H, *x.shape[1:])
-    S_in, S_out = _scan_chunks(shape(M), shape(Bm), S0, reset_idx, init)
+    S_in, S_out = _scan_chunks(
+        shape(W), shape(U), shape(KtT), shape(decay), S0, reset_idx, init
+    )
     o = jnp.matmul(Qh, S_in.reshape(B * NC * H, Dk, Dv)) + Oi  # [B*NC*H, C, Dv]
     o = jnp.moveaxis(o.reshape(B, NC, H, C, Dv), 2, 3).reshape(B, Tp, H, Dv)
     return o, S_in, S_out
@@ -405,7 +396,7 @@ def kda_chunked(
     (True, True)
     """
     _check_qkv(q, k, v, g, beta)
-    _chunk_sizes(chunk_size)
+    _check_chunk_size(chunk_size)
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = chunk_size
