@@ -1,0 +1,775 @@
+"""Continuous-batching generation with radix prefix reuse for unmodified mlx-lm models.
+
+:class:`Engine` serves many prompts at once. Its host side is plain Python (a waiting queue,
+admission, finishing); its device side is the model called as ``model(inputs, cache=caches)``
+with :class:`~mlxcache.cache.RaggedKVCache` caches. Nothing in the model is patched.
+
+One request's life (prefix reuse on):
+
+1. *admit*: ``match_prefix`` finds the longest cached prefix (a full hit keeps the last token
+   back: its logits are needed); the matched node is locked; slots for the new tokens are
+   allocated, evicting least recently used unlocked prefixes if the pool is short. If even
+   that fails while other requests run, the request waits for them to finish. Requests are
+   admitted together into one *prefill batch* while their padded new tokens fit
+   ``prefill_step_size``; a request that shares a good part of its uncached tokens with one
+   already in the batch waits for the next batch, so that it reuses that prefix once inserted.
+2. *prefill*: each row starts from its prefix gathered from the pool; only the new tokens run
+   through the model, all rows in one forward (one long prompt alone, in chunks). The new K/V
+   are written to the pool at the new slots, each prompt is inserted into the radix tree
+   (duplicate slots, when another request inserted the same tokens first, are freed) and each
+   request's lock moves to its whole prompt.
+3. *decode*: the request joins the running batch (a row of every layer's decode cache); all
+   running requests advance one token per forward, each with its own sampling parameters.
+   The next step is queued before the host reads this step's tokens (``mx.async_eval``).
+4. *finish*: the K/V of the generated tokens are written to the pool and prompt + answer are
+   inserted, so a follow-up turn reuses them; the lock is released.
+
+Models whose cache is not plain ``KVCache`` (hybrid/SSM ``ArraysCache``, sliding-window
+``RotatingKVCache``, ``QuantizedKVCache``, ...) cannot be served from a KV-only tree without
+restoring stale state. They are served without reuse, one request per forward with mlx-lm's own
+caches, after a :class:`ReuseDisabledWarning`. So are models whose attention rejects per-row
+positions (detected by a probe at start), minus the reuse restriction: those keep reuse.
+
+Example:
+    >>> engine = Engine(model, num_slots=4096)                     # doctest: +SKIP
+    >>> engine.generate([[1, 2, 3], [1, 2, 4]], max_tokens=8)     # doctest: +SKIP
+    [[...], [...]]
+    >>> engine.stats.hit_rate                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxcache.cache import RaggedKVCache
+from mlxcache.pool import (
+    PoolExhausted,
+    alloc,
+    bytes_per_token_slot,
+    free,
+    init_allocator,
+    init_pool,
+    set_kv_all_layers,
+)
+from mlxcache.radix import RadixCache, TreeNode
+from mlxcache.sampling import SamplingParams, next_key, sample
+
+__all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
+
+log = logging.getLogger("mlxcache")
+
+MAX_AUTO_SLOTS = 1 << 20
+"""Upper bound on an automatically sized pool (about a million tokens)."""
+
+DEFER_SHARED_TOKENS = 64
+"""A request waits for the next prefill batch when it shares this many uncached tokens (or
+half of its uncached tokens, if fewer) with a request already in the batch."""
+
+
+class ReuseDisabledWarning(UserWarning):
+    """The model is served, correctly, but without prefix reuse, or one request per forward."""
+
+
+@dataclass
+class EngineStats:
+    """Counters over an engine's life (see :attr:`Engine.stats`).
+
+    ``cached_tokens`` are prompt tokens served from the radix tree; ``prefill_tokens_computed``
+    the ones run through the model (``prompt_tokens == cached + computed``). ``evictions``
+    counts evicted tokens. ``prefill_tokens_per_s`` is *effective*: all prompt tokens (cached
+    ones included) over prefill time. ``ttft`` is the mean time to first token in seconds,
+    measured from the ``generate``/``stream`` call.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    evictions: int = 0
+    decode_tokens: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    ttft_total_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.ttft_total_s / self.requests if self.requests else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request's host-side state while it is served."""
+
+    index: int
+    tokens: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: frozenset[int]
+    arrival: float
+    key: mx.array | None
+    output: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens served from the tree
+    node: TreeNode | None = None  # locked radix node
+    tree_slots: list[int] = field(default_factory=list)  # slots of the locked path
+    pending: list[int] = field(default_factory=list)  # allocated, not yet owned by the tree
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_tokens or (
+            bool(self.output) and self.output[-1] in self.stop
+        )
+
+
+@dataclass(eq=False)
+class _Group:
+    """Requests advanced together by one forward, and their per-layer caches.
+
+    ``feed`` ``(R,)`` holds each row's next input token, possibly still being computed;
+    ``unread[i]`` tells that ``feed[i]`` was sampled by the last step and not yet emitted (a
+    row that just joined feeds its prefill token, which was emitted already).
+    """
+
+    caches: list[Any]
+    reqs: list[_Request] = field(default_factory=list)
+    feed: mx.array | None = None
+    unread: list[bool] = field(default_factory=list)
+
+    def add(self, req: _Request) -> None:
+        token = mx.array([req.output[-1]], dtype=mx.int32)
+        self.feed = token if self.feed is None else mx.concatenate([self.feed, token])
+        self.reqs.append(req)
+        self.unread.append(False)
+
+    def remove(self, row: int) -> None:
+        """Drop ``row``: the last row moves into its place (as in ``RaggedKVCache``)."""
+        order = list(range(len(self.reqs)))
+        order[row] = order[-1]
+        order.pop()
+        self.reqs = [self.reqs[i] for i in order]
+        self.unread = [self.unread[i] for i in order]
+        self.feed = self.feed[mx.array(order, dtype=mx.int32)] if order else None
+
+
+def _vocab_size(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            return module.weight.shape[0]
+    raise ValueError("cannot tell the model's vocabulary size (no args.vocab_size, no Embedding)")
+
+
+def _memory_budget() -> tuple[int, str]:
+    """Bytes the pool may draw from, and where the figure came from."""
+    if mx.metal.is_available():
+        info = mx.device_info()
+        total = int(info.get("max_recommended_working_set_size", info["memory_size"]))
+        return max(total - mx.get_active_memory(), 0), "Metal working set"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+
+
+def auto_num_slots(
+    bytes_per_slot: int, mem_fraction: float, max_slots: int = MAX_AUTO_SLOTS
+) -> tuple[int, int, str]:
+    """Pool size from free memory: ``(num_slots, budget_bytes, source)``.
+
+    ``num_slots = min(max_slots, mem_fraction * free_memory // bytes_per_slot)`` (at least 2).
+
+    Example:
+        >>> n, _, _ = auto_num_slots(bytes_per_slot=1 << 20, mem_fraction=0.001)
+        >>> 2 <= n <= MAX_AUTO_SLOTS
+        True
+    """
+    budget, source = _memory_budget()
+    budget = int(budget * mem_fraction)
+    return max(2, min(max_slots, budget // bytes_per_slot)), budget, source
+
+
+def _probe_kv_layout(model: nn.Module, num_layers: int) -> tuple[tuple | None, str | None]:
+    """Run two tokens through the model; ``((n_kv_heads, head_dim, dtype), None)`` when every
+    layer wrote keys and values of one shape, else ``(None, reason)``."""
+    caches = [RaggedKVCache(1) for _ in range(num_layers)]
+    mx.eval(model(mx.array([[0, 0]]), cache=caches))
+    shapes = set()
+    for i, c in enumerate(caches):
+        if c.keys is None:
+            return None, f"layer {i} never wrote its cache"
+        shapes.add((c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype))
+    if len(shapes) != 1:
+        return None, f"layers disagree on K/V shapes {sorted(map(str, shapes))}"
+    ((heads, dk, dv, dtype),) = shapes
+    if dk != dv:
+        return None, f"key head_dim {dk} != value head_dim {dv}"
+    return (heads, dk, dtype), None
+
+
+def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
+    """None if a ragged batch (per-row positions and masks) computes what mlx-lm's
+    ``KVCache`` computes request by request, for a 2-token prefill and a decode step; else why
+    not."""
+    prefixes, new = [[0], [0, 0, 0]], [[1, 2], [3, 4]]
+    solo = []
+    for p, n in zip(prefixes, new, strict=True):
+        caches = [KVCache() for _ in range(num_layers)]
+        model(mx.array([p]), cache=caches)
+        prefill = model(mx.array([n]), cache=caches)[:, -1]
+        solo.append((prefill, model(mx.array([[5]]), cache=caches)[:, -1]))
+    batch = [RaggedKVCache() for _ in range(num_layers)]
+    for p in prefixes:
+        caches = [RaggedKVCache(1) for _ in range(num_layers)]
+        model(mx.array([p]), cache=caches)
+        for b, c in zip(batch, caches, strict=True):
+            b.add_row(*c.row(0))
+    try:
+        prefill = model(mx.array(new), cache=batch)[:, -1]
+        decode = model(mx.array([[5], [5]]), cache=batch)[:, -1]
+        mx.eval(prefill, decode)
+    except Exception as e:  # any model that cannot take per-row offsets / masks
+        return f"{type(e).__name__}: {e}"
+    for got, want in ((prefill, [a for a, _ in solo]), (decode, [b for _, b in solo])):
+        want = mx.concatenate(want)
+        scale = max(1.0, mx.abs(want).max().item())
+        if not mx.allclose(got, want, rtol=1e-2, atol=1e-2 * scale).item():
+            return "batched logits differ from per-request logits"
+    return None
+
+
+def _listify(name: str, value: Any, n: int) -> list[Any]:
+    """``value`` for each of ``n`` requests: a scalar is shared, a list must have length n."""
+    if isinstance(value, list | tuple):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+class Engine:
+    """Serve an unmodified mlx-lm model with radix prefix reuse and continuous batching.
+
+    Args:
+        model: an mlx-lm model (``model(inputs, cache=...)`` -> logits).
+        tokenizer: optional (mlx-lm ``TokenizerWrapper`` or HF tokenizer); needed for text
+            prompts; its EOS ids are the default stop tokens.
+        num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
+            memory times ``mem_fraction`` (Metal working set on Apple silicon, else
+            ``MemAvailable``), capped at :data:`MAX_AUTO_SLOTS`.
+        page_size: radix tree granularity in tokens.
+        mem_fraction: share of free memory the automatic pool may take.
+        max_batch_size: most requests decoded at once.
+        prefix_cache: False serves the same way without a pool or tree (no reuse).
+        prefill_step_size: most tokens (padding included) in one prefill forward; also the
+            prefill budget between two decode steps.
+
+    Example:
+        >>> engine = Engine(model, num_slots=1 << 14)                      # doctest: +SKIP
+        >>> for i, tok in engine.stream([[5, 6, 7]], max_tokens=4):         # doctest: +SKIP
+        ...     print(i, tok)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        num_slots: int | None = None,
+        page_size: int = 1,
+        mem_fraction: float = 0.5,
+        max_batch_size: int = 32,
+        prefix_cache: bool = True,
+        prefill_step_size: int = 2048,
+    ):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
+        if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 2):
+            raise ValueError(f"num_slots must be an int >= 2 or None, got {num_slots!r}")
+        if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.vocab_size = _vocab_size(model)
+        self.stats = EngineStats()
+
+        layer_caches = make_prompt_cache(model)
+        self.num_layers = len(layer_caches)
+        kinds = sorted({type(c).__name__ for c in layer_caches})
+        # A model's own make_cache may return KVCache subclasses with other semantics: exact type.
+        self.plain_kv = all(type(c) is KVCache for c in layer_caches)
+        self.reuse = self.plain_kv and prefix_cache
+        self.batched = self.plain_kv
+        if not self.plain_kv:
+            self._warn(f"model caches are {kinds}, not plain KVCache: no reuse, no batching")
+        layout = None
+        if self.reuse:
+            layout, why = _probe_kv_layout(model, self.num_layers)
+            if layout is None:
+                self.reuse = False
+                self._warn(f"{why}: the pool cannot hold this model's K/V, no reuse")
+        if self.batched:
+            why = _probe_ragged_batch(model, self.num_layers)
+            if why is not None:
+                self.batched = False
+                self._warn(f"ragged batches fail ({why}): serving one request per forward")
+
+        self._pool = self._alloc = self._tree = None
+        if self.reuse:
+            heads, head_dim, dtype = layout
+            per_slot = bytes_per_token_slot(self.num_layers, heads, head_dim, dtype)
+            if num_slots is None:
+                num_slots, budget, source = auto_num_slots(per_slot, mem_fraction)
+                origin = f"auto: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB"
+            else:
+                origin = "given"
+            self._pool = init_pool(self.num_layers, num_slots, heads, head_dim, dtype)
+            mx.eval(self._pool)
+            self._alloc = init_allocator(num_slots)
+            self._tree = RadixCache(page_size)
+            log.info(
+                "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d layers, %d kv heads, "
+                "head_dim %d, %s, page_size %d",
+                num_slots, per_slot, num_slots * per_slot / 2**30, origin, self.num_layers,
+                heads, head_dim, dtype, page_size,
+            )  # fmt: skip
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(f"mlxcache: {message}", ReuseDisabledWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ introspection ----
+
+    @property
+    def num_slots(self) -> int:
+        """Pool size in slots (0 without reuse)."""
+        return self._pool.num_slots if self._pool is not None else 0
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._alloc.num_free if self._alloc is not None else 0
+
+    @property
+    def tree(self) -> RadixCache | None:
+        """The radix tree (None without reuse). Read it; do not modify it."""
+        return self._tree
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (between calls)."""
+        if self._tree is not None:
+            self._tree.reset()
+            self._alloc = init_allocator(self._pool.num_slots)
+
+    # -------------------------------------------------------------------------- API ----
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_tokens: int | Sequence[int] = 256,
+        temperature: float | Sequence[float] = 0.0,
+        top_p: float | Sequence[float] = 1.0,
+        top_k: int | Sequence[int] = 0,
+        seed: int | None | Sequence[int | None] = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Generated token ids per prompt (a stop token, when hit, is the last one).
+
+        Every sampling argument is one value for all prompts or a list with one per prompt;
+        see :meth:`stream`.
+        """
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, token in self.stream(
+            prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+        ):
+            out[i].append(token)
+        return out
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_tokens: int | Sequence[int] = 256,
+        temperature: float | Sequence[float] = 0.0,
+        top_p: float | Sequence[float] = 1.0,
+        top_k: int | Sequence[int] = 0,
+        seed: int | None | Sequence[int | None] = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[tuple[int, int]]:
+        """Yield ``(prompt_index, token)`` as tokens are produced, all prompts concurrently.
+
+        Args:
+            prompts: token id lists, or strings (needs a tokenizer).
+            max_tokens: >= 1 tokens per request.
+            temperature: 0 is greedy.
+            top_p, top_k: nucleus / top-k filters (1.0 / 0 = off).
+            seed: per-request reproducible sampling (None: MLX's global generator).
+            stop_token_ids: finish a request on any of these (default: the tokenizer's EOS).
+
+        All inputs are checked before any work starts (ValueError naming the bad value).
+        Stopping the iteration early releases the requests cleanly.
+        """
+        reqs = self._make_requests(
+            prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+        )
+        return self._serve(reqs)
+
+    # ------------------------------------------------------------------- validation ----
+
+    def _encode(self, i: int, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the engine has no tokenizer")
+            bos = getattr(self.tokenizer, "bos_token", None)
+            special = bos is None or not prompt.startswith(bos)
+            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=special))
+        else:
+            tokens = list(prompt)
+        if not tokens:
+            raise ValueError(f"prompt {i} is empty")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+                raise ValueError(f"prompt {i}: token {t!r} is not an int")
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(
+                    f"prompt {i}: token id {int(t)} is out of the vocabulary [0, {self.vocab_size})"
+                )
+        tokens = [int(t) for t in tokens]
+        if self.reuse and len(tokens) > self.num_slots - 1:
+            raise ValueError(
+                f"prompt {i} has {len(tokens)} tokens but the KV pool holds at most "
+                f"{self.num_slots - 1} (num_slots={self.num_slots}); raise num_slots"
+            )
+        return tokens
+
+    def _make_requests(
+        self, prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+    ) -> list[_Request]:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r:.80}")
+        n = len(prompts)
+        tokens = [self._encode(i, p) for i, p in enumerate(prompts)]
+        maxes = _listify("max_tokens", max_tokens, n)
+        for i, m in enumerate(maxes):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"max_tokens must be an int >= 1, got {m!r} (prompt {i})")
+        params = [
+            SamplingParams(temperature=t, top_p=p, top_k=k, seed=s)
+            for t, p, k, s in zip(
+                _listify("temperature", temperature, n),
+                _listify("top_p", top_p, n),
+                _listify("top_k", top_k, n),
+                _listify("seed", seed, n),
+                strict=True,
+            )
+        ]
+        if stop_token_ids is None:
+            stop_token_ids = getattr(self.tokenizer, "eos_token_ids", None) or ()
+        stop = frozenset(int(t) for t in stop_token_ids)
+        now = time.perf_counter()
+        return [
+            _Request(
+                index=i,
+                tokens=tokens[i],
+                max_tokens=maxes[i],
+                params=params[i],
+                stop=stop,
+                arrival=now,
+                key=None if params[i].seed is None else mx.random.key(params[i].seed),
+            )
+            for i in range(n)
+        ]
+
+    # --------------------------------------------------------------------- serving ----
+
+    def _serve(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
+        waiting = deque(reqs)
+        batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
+        groups: list[_Group] = [batch] if self.batched else []
+        admitted: list[_Request] = []
+        try:
+            while waiting or any(g.reqs for g in groups):
+                running = sum(len(g.reqs) for g in groups)
+                prefill = self._admit_batch(waiting, running)
+                if prefill:
+                    admitted.extend(prefill)
+                    caches = self._prefill(prefill)
+                    for row, req in enumerate(prefill):
+                        yield req.index, req.output[-1]
+                        if req.done:
+                            self._finish(req, None)
+                        else:
+                            self._join(req, caches, row, batch, groups)
+                elif running == 0:
+                    req = waiting[0]
+                    raise PoolExhausted(len(req.tokens), self.num_free_slots)
+                for group in groups:
+                    if group.reqs:
+                        yield from self._decode_step(group)
+                groups = [g for g in groups if g.reqs or g is batch]
+        finally:
+            self._release(admitted)
+
+    def _release(self, reqs: list[_Request]) -> None:
+        """Give back what unfinished requests hold (on error or early stop)."""
+        for req in reqs:
+            if req.pending:
+                self._alloc = free(self._alloc, req.pending)
+                req.pending = []
+            if req.node is not None:
+                self._tree.unlock(req.node)
+                req.node = None
+
+    def _alloc_slots(self, n: int) -> list[int] | None:
+        """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
+        a, slots, ok = alloc(self._alloc, n)
+        if not ok:
+            freed = self._tree.evict(n - self._alloc.num_free)
+            if freed:
+                self._alloc = free(self._alloc, freed)
+                self.stats.evictions += len(freed)
+            a, slots, ok = alloc(self._alloc, n)
+            if not ok:
+                return None
+        self._alloc = a
+        return slots
+
+    def _admit_batch(self, waiting: deque[_Request], running: int) -> list[_Request]:
+        """Take the next prefill batch off ``waiting`` (maybe empty: the pool is full)."""
+        batch: list[_Request] = []
+        widest = 0
+        while waiting and running + len(batch) < self.max_batch_size:
+            req = waiting[0]
+            match = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
+            cached = min(len(match[0]), len(req.tokens) - 1)  # a full hit recomputes 1 token
+            todo = len(req.tokens) - cached
+            if batch and (
+                not self.batched
+                or (len(batch) + 1) * max(widest, todo) > self.prefill_step_size
+                or self._shares_uncached(req, cached, batch)
+            ):
+                break
+            if self.reuse and not self._reserve(req, match, cached):
+                break
+            waiting.popleft()
+            batch.append(req)
+            widest = max(widest, todo)
+        return batch
+
+    def _shares_uncached(self, req: _Request, cached: int, batch: list[_Request]) -> bool:
+        """Would ``req`` reuse enough of a batch member's prompt, once it is inserted?"""
+        want = max(1, min(DEFER_SHARED_TOKENS, (len(req.tokens) - cached + 1) // 2))
+        head = req.tokens[: cached + want]
+        return len(head) == cached + want and any(
+            other.tokens[: cached + want] == head for other in batch
+        )
+
+    def _reserve(self, req: _Request, match: tuple[list[int], TreeNode], cached: int) -> bool:
+        """Lock the matched prefix and allocate the new tokens' slots; False to wait."""
+        slots, node = match
+        self._tree.lock(node)
+        new = self._alloc_slots(len(req.tokens) - cached)
+        if new is None:
+            self._tree.unlock(node)
+            return False
+        req.node, req.tree_slots, req.cached, req.pending = node, slots[:cached], cached, new
+        return True
+
+    def _prefill(self, reqs: list[_Request]) -> list[Any]:
+        """Run the requests' uncached tokens; sample each first token; publish the prompts.
+
+        Returns the per-layer caches, row ``i`` holding request ``i``'s prompt.
+        """
+        tic = time.perf_counter()
+        todo = [r.tokens[r.cached :] for r in reqs]
+        if not self.plain_kv:
+            caches = make_prompt_cache(self.model)
+        elif self.reuse:
+            prefixes = [r.tree_slots for r in reqs]
+            caches = [
+                RaggedKVCache.from_pool(self._pool, layer, prefixes)
+                for layer in range(self.num_layers)
+            ]
+        else:
+            caches = [RaggedKVCache(len(reqs)) for _ in range(self.num_layers)]
+        # All but the last token first, evaluating only the caches, so the LM head runs for
+        # one position per request (as in mlx-lm's generators); then the last tokens.
+        heads = [t[:-1] for t in todo]
+        if len(reqs) == 1:  # alone: maybe long, in chunks
+            for start in range(0, len(heads[0]), self.prefill_step_size):
+                chunk = heads[0][start : start + self.prefill_step_size]
+                self.model(mx.array([chunk]), cache=caches)
+                mx.eval([c.state for c in caches])
+        elif max(map(len, heads)) > 0:  # right-padded to the longest, one forward
+            widest = max(map(len, heads))
+            self.model(mx.array([h + [0] * (widest - len(h)) for h in heads]), cache=caches)
+            for c in caches:
+                c.truncate([r.cached + len(h) for r, h in zip(reqs, heads, strict=True)])
+        last = self.model(mx.array([t[-1:] for t in todo]), cache=caches)[:, -1, :]
+        tokens = self._sample(reqs, last)
+        mx.eval(tokens, [c.state for c in caches])
+        for req, token in zip(reqs, tokens.tolist(), strict=True):
+            req.output.append(token)
+        if self.reuse:
+            self._publish_prompts(reqs, caches)
+        toc = time.perf_counter()
+        s = self.stats
+        s.requests += len(reqs)
+        s.prompt_tokens += sum(len(r.tokens) for r in reqs)
+        s.cached_tokens += sum(r.cached for r in reqs)
+        s.prefill_tokens_computed += sum(map(len, todo))
+        s.prefill_time_s += toc - tic
+        s.ttft_total_s += sum(toc - r.arrival for r in reqs)
+        return caches
+
+    def _publish_prompts(self, reqs: list[_Request], caches: list[RaggedKVCache]) -> None:
+        """Write the new K/V to the pool, insert the prompts, move each lock onto its prompt."""
+        rows = [[c.row(i, r.cached) for i, r in enumerate(reqs)] for c in caches]
+        self._pool = set_kv_all_layers(
+            self._pool,
+            mx.array([s for r in reqs for s in r.pending], dtype=mx.int32),
+            [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
+            [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
+        )
+        mx.eval(self._pool)
+        for req in reqs:
+            self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
+            req.pending = []
+            slots, node = self._tree.match_prefix(req.tokens)
+            self._tree.lock(node)
+            self._tree.unlock(req.node)
+            req.node, req.tree_slots = node, slots
+
+    def _insert(self, tokens: list[int], slots: list[int], owned: int) -> None:
+        """Insert ``tokens``; ``slots[:owned]`` are the tree's already, the rest are ours.
+
+        Ours that the tree does not keep (it had those tokens already, or they are past the
+        last whole page) are freed.
+        """
+        kept_until = len(tokens) - len(tokens) % self.page_size
+        cached = self._tree.insert(tokens, slots)
+        drop = slots[owned : max(owned, cached)] + slots[max(owned, kept_until) :]
+        if drop:
+            self._alloc = free(self._alloc, drop)
+
+    def _join(
+        self, req: _Request, caches: list[Any], row: int, batch: _Group, groups: list[_Group]
+    ) -> None:
+        """Put a prefilled request (row ``row`` of ``caches``) into the running batch, or,
+        unbatched, into a group of its own."""
+        if not self.plain_kv:  # mlx-lm's own caches, one request
+            group = _Group(caches)
+            groups.append(group)
+        else:
+            if self.batched:
+                group = batch
+            else:
+                group = _Group([RaggedKVCache() for _ in caches])
+                groups.append(group)
+            for dst, src in zip(group.caches, caches, strict=True):
+                dst.add_row(*src.row(row))
+        group.add(req)
+
+    def _decode_step(self, group: _Group) -> Iterator[tuple[int, int]]:
+        """One forward for the group; emits the tokens sampled by the *previous* step.
+
+        The step's own samples stay on the device (``mx.async_eval``) and feed the next step,
+        so building the next graph overlaps this step's compute, as in mlx-lm's generators.
+        A request that finishes costs one wasted row of one step.
+        """
+        tic = time.perf_counter()
+        feed, unread = group.feed, group.unread
+        logits = self.model(feed[:, None], cache=group.caches)[:, -1, :]
+        group.feed = self._sample(group.reqs, logits)
+        group.unread = [True] * len(group.reqs)
+        mx.async_eval(group.feed)
+        fed = feed.tolist()
+        self.stats.decode_time_s += time.perf_counter() - tic
+        finished = []
+        for req, token, new in zip(list(group.reqs), fed, unread, strict=True):
+            if new:
+                req.output.append(token)
+                self.stats.decode_tokens += 1
+                yield req.index, token
+                if req.done:
+                    finished.append(req)
+        # Last rows first: a finished row at the end leaves without moving another row.
+        for req in sorted(finished, key=group.reqs.index, reverse=True):
+            self._finish(req, group)
+
+    def _sample(self, reqs: list[_Request], logits: mx.array) -> mx.array:
+        keys = []
+        for r in reqs:
+            if r.key is not None and not r.params.greedy:
+                r.key, use = next_key(r.key)
+                keys.append(use)
+            else:
+                keys.append(None)
+        return sample(logits, [r.params for r in reqs], keys)
+
+    def _finish(self, req: _Request, group: _Group | None) -> None:
+        """Cache prompt + answer (when there is room), leave the batch, drop the lock."""
+        if group is not None:
+            row = group.reqs.index(req)
+            if self.reuse:
+                self._publish_answer(req, group, row)
+            if isinstance(group.caches[0], RaggedKVCache):
+                for c in group.caches:
+                    c.remove_row(row)
+            group.remove(row)
+        if req.node is not None:
+            self._tree.unlock(req.node)
+            req.node = None
+
+    def _publish_answer(self, req: _Request, group: _Group, row: int) -> None:
+        """Write the generated tokens' K/V (all but the last, never fed back) to the pool."""
+        seq = req.tokens + req.output[:-1]
+        total = len(seq) - len(seq) % self.page_size
+        start = len(req.tree_slots)
+        if total <= start:
+            return
+        new = self._alloc_slots(total - start)
+        if new is None:  # the pool is full of locked prefixes: skip caching this answer
+            return
+        kv = [c.row(row, start) for c in group.caches]
+        self._pool = set_kv_all_layers(
+            self._pool,
+            mx.array(new, dtype=mx.int32),
+            [k[:, :, : total - start] for k, _ in kv],
+            [v[:, :, : total - start] for _, v in kv],
+        )
+        mx.eval(self._pool)
+        self._insert(seq[:total], req.tree_slots + new, start)

@@ -1,0 +1,480 @@
+"""mlxcache engine and caches against mlx-lm's own generation, on tiny random models.
+
+Every model is built with mlx-lm's classes (float32, fixed seed). The reference is mlx-lm's
+``generate_step`` with a fresh ``make_prompt_cache`` per request: no reuse, no batching.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import warnings
+from contextlib import redirect_stdout
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models import llama, mamba, qwen3, qwen3_next  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from mlxcache.cache import RaggedKVCache  # noqa: E402
+from mlxcache.engine import Engine, ReuseDisabledWarning  # noqa: E402
+from mlxcache.pool import init_pool, set_kv_all_layers  # noqa: E402
+
+pytestmark = pytest.mark.mlx
+
+VOCAB = 128
+
+
+def _build(module, **args):
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs(**args))
+    mx.eval(model.parameters())
+    return model
+
+
+LLAMA = dict(
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+)
+QWEN3 = dict(
+    model_type="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+GQA = {**LLAMA, "num_key_value_heads": 1, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gqa"])
+def model(request):
+    return {
+        "llama": lambda: _build(llama, **LLAMA),
+        "qwen3": lambda: _build(qwen3, **QWEN3),
+        "gqa": lambda: _build(llama, **GQA),
+    }[request.param]()
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return _build(llama, **LLAMA)
+
+
+def reference(model, prompt, max_tokens):
+    """mlx-lm's greedy generation, fresh cache, no reuse."""
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def tokens(rng, n):
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def assert_intact(engine):
+    """Every slot is free or in the tree exactly once; nothing is locked between calls."""
+    tree = engine.tree
+    assert tree.protected_size == 0
+    assert engine.num_free_slots + tree.total_size == engine.num_slots - 1
+
+
+# ------------------------------------------------------------------------------ caches ----
+
+
+def test_batched_prefill_from_pool_matches_full_prefill(model):
+    """Rows seeded from the pool (ragged prefixes) + right-padded new tokens, one forward ==
+    each whole prompt through mlx-lm's KVCache."""
+    rng = random.Random(0)
+    n_layers, heads = len(model.layers), model.layers[0].self_attn.n_kv_heads
+    head_dim = model.layers[0].self_attn.k_proj.weight.shape[0] // heads
+    prompts = [tokens(rng, 12), tokens(rng, 7), tokens(rng, 9)]
+    cached = [8, 0, 6]  # tokens each request finds in the pool
+    pool = init_pool(n_layers, 64, heads, head_dim, dtype=mx.float32)
+    want, prefixes, next_slot = [], [], 1
+    for p, c in zip(prompts, cached, strict=True):
+        full = [KVCache() for _ in range(n_layers)]
+        want.append(model(mx.array([p]), cache=full)[0, -1])
+        slots = list(range(next_slot, next_slot + c))
+        next_slot += c
+        if c:
+            pool = set_kv_all_layers(
+                pool,
+                mx.array(slots),
+                [f.keys[:, :, :c] for f in full],
+                [f.values[:, :, :c] for f in full],
+            )
+        prefixes.append(slots)
+    caches = [RaggedKVCache.from_pool(pool, layer, prefixes) for layer in range(n_layers)]
+    assert caches[0].offset.tolist() == cached
+    todo = [p[c:] for p, c in zip(prompts, cached, strict=True)]
+    widest = max(map(len, todo))
+    out = model(mx.array([t + [0] * (widest - len(t)) for t in todo]), cache=caches)
+    for i, t in enumerate(todo):
+        assert mx.allclose(out[i, len(t) - 1], want[i], atol=1e-4).item(), i
+    for c in caches:
+        c.truncate([len(p) for p in prompts])
+    assert caches[0].row(1, 0)[0].shape == (1, heads, 7, head_dim)
+
+
+def test_batched_decode_cache_matches_per_request_kvcache(model):
+    """Ragged rows, one forward, joins and leaves mid-way == each request with its KVCache."""
+    rng = random.Random(1)
+    n_layers = len(model.layers)
+    prompts = [tokens(rng, n) for n in (3, 9, 5, 1)]
+    solo = []
+    for p in prompts:
+        c = [KVCache() for _ in range(n_layers)]
+        model(mx.array([p]), cache=c)
+        solo.append(c)
+    batch = [RaggedKVCache() for _ in range(n_layers)]
+
+    def join(i):
+        for b, c in zip(batch, solo[i], strict=True):
+            b.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+
+    rows = [0, 1, 2]
+    for i in rows:
+        join(i)
+    for step in range(6):
+        if step == 2:  # request 1 leaves: the last row moves into its place
+            for b in batch:
+                b.remove_row(1)
+            rows = [0, 2]
+        if step == 3:  # request 3 joins
+            join(3)
+            rows.append(3)
+        feed = [rng.randrange(VOCAB) for _ in rows]
+        got = model(mx.array([[t] for t in feed]), cache=batch)[:, -1]
+        for r, (i, t) in enumerate(zip(rows, feed, strict=True)):
+            want = model(mx.array([[t]]), cache=solo[i])[:, -1]
+            assert mx.allclose(got[r : r + 1], want, atol=1e-4).item(), (step, i)
+    assert batch[0].lengths == [solo[i][0].offset for i in rows]
+
+
+# ------------------------------------------------------------------------ equivalence ----
+
+
+def test_cold_repeat_and_shared_prefix_match_mlx_lm(model):
+    rng = random.Random(2)
+    engine = Engine(model, num_slots=1024)
+    prefix = tokens(rng, 20)
+    a, b = prefix + tokens(rng, 5), prefix + tokens(rng, 7)
+
+    assert engine.generate([a], max_tokens=8) == [reference(model, a, 8)]  # cold
+    assert engine.stats.cached_tokens == 0
+    assert engine.generate([a], max_tokens=8) == [reference(model, a, 8)]  # full hit
+    assert engine.stats.cached_tokens == len(a) - 1  # only the last token is recomputed
+    before = engine.stats.cached_tokens
+    assert engine.generate([b], max_tokens=8) == [reference(model, b, 8)]  # shared prefix
+    assert engine.stats.cached_tokens - before >= len(prefix)
+    assert_intact(engine)
+
+
+def test_concurrent_requests_share_a_prefix(model):
+    rng = random.Random(3)
+    engine = Engine(model, num_slots=1024, max_batch_size=4)
+    prefix = tokens(rng, 24)
+    prompts = [prefix + tokens(rng, n) for n in (1, 4, 9, 2, 6, 3)] + [prefix]
+    max_tokens = [5, 9, 3, 7, 1, 6, 4]
+    out = engine.generate(prompts, max_tokens=max_tokens)
+    assert out == [reference(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+    # every request after the first found the prefix the first one inserted
+    assert engine.stats.cached_tokens >= (len(prompts) - 1) * (len(prefix) - 1)
+    assert_intact(engine)
+
+
+def test_follow_up_turn_reuses_the_answer(llama_model):
+    rng = random.Random(4)
+    engine = Engine(llama_model, num_slots=512)
+    first = tokens(rng, 10)
+    (answer,) = engine.generate([first], max_tokens=6)
+    turn = first + answer + tokens(rng, 3)
+    before = engine.stats.cached_tokens
+    assert engine.generate([turn], max_tokens=5) == [reference(llama_model, turn, 5)]
+    # all of the prompt and the answer but its last token (never fed back) were cached
+    assert engine.stats.cached_tokens - before == len(first) + len(answer) - 1
+
+
+def test_eviction_under_pressure_keeps_outputs_exact(model):
+    rng = random.Random(5)
+    # 3 concurrent requests of 30 tokens cannot all fit 69 usable slots: the third waits for
+    # a running one to finish; the running ones' prefixes are locked and never evicted.
+    engine = Engine(model, num_slots=70, max_batch_size=3)
+    prompts = [tokens(rng, 30) for _ in range(5)]
+    out = engine.generate(prompts, max_tokens=4)
+    assert out == [reference(model, p, 4) for p in prompts]
+    assert engine.stats.evictions > 0
+    assert_intact(engine)
+    again = engine.generate(prompts[::-1], max_tokens=4)  # mixes hits with evicted prefixes
+    assert again == out[::-1]
+    assert_intact(engine)
+
+
+def test_page_size_reuses_whole_pages(llama_model):
+    rng = random.Random(6)
+    engine = Engine(llama_model, num_slots=512, page_size=4)
+    prefix = tokens(rng, 10)
+    prompts = [prefix + tokens(rng, 3), prefix + tokens(rng, 5)]
+    assert engine.generate(prompts, max_tokens=5) == [reference(llama_model, p, 5) for p in prompts]
+    assert engine.stats.cached_tokens == 8  # two whole pages of the 10-token prefix
+    assert engine.tree.total_size % 4 == 0
+    assert_intact(engine)
+
+
+def test_long_prompts_prefill_in_chunks(llama_model):
+    """Prompts longer than prefill_step_size run alone, in chunks; short ones batch."""
+    rng = random.Random(13)
+    engine = Engine(llama_model, num_slots=512, prefill_step_size=8)
+    prefix = tokens(rng, 19)
+    prompts = [prefix + tokens(rng, 2), tokens(rng, 3), prefix + tokens(rng, 4), tokens(rng, 2)]
+    assert engine.generate(prompts, max_tokens=4) == [reference(llama_model, p, 4) for p in prompts]
+    s = engine.stats
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed
+    assert s.cached_tokens >= len(prefix) and 0 < s.hit_rate < 1
+    assert s.decode_tokens == 3 * len(prompts) and s.ttft > 0 and s.decode_tokens_per_s > 0
+    assert_intact(engine)
+
+
+def test_reuse_disabled_is_exact(llama_model):
+    rng = random.Random(7)
+    engine = Engine(llama_model, prefix_cache=False)
+    prompts = [tokens(rng, n) for n in (5, 11, 2)]
+    assert engine.generate(prompts, max_tokens=6) == [reference(llama_model, p, 6) for p in prompts]
+    assert engine.tree is None and engine.stats.cached_tokens == 0
+
+
+# ----------------------------------------------------------------- unsupported caches ----
+
+
+def _qwen3_next():
+    return _build(
+        qwen3_next,
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=1,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[0, 1],
+        moe_intermediate_size=64,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=512,
+        head_dim=16,
+        full_attention_interval=2,
+    )
+
+
+def _mamba():
+    return _build(
+        mamba,
+        model_type="mamba",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
+
+
+def _sliding_llama():
+    return _build(
+        llama, **LLAMA, layer_types=["sliding_attention", "full_attention"], sliding_window=8
+    )
+
+
+@pytest.mark.parametrize(
+    "build, kind",
+    [(_qwen3_next, "ArraysCache"), (_mamba, "Cache"), (_sliding_llama, "RotatingKVCache")],
+    ids=["qwen3_next", "mamba", "sliding_window"],
+)
+def test_non_kv_models_are_served_without_reuse(build, kind):
+    model = build()
+    with pytest.warns(ReuseDisabledWarning, match=kind):
+        engine = Engine(model, num_slots=256)
+    assert not engine.reuse and not engine.batched
+    rng = random.Random(8)
+    prefix = tokens(rng, 12)  # longer than the sliding window
+    prompts = [prefix + [5], prefix + [5], prefix + [9, 3]]
+    assert engine.generate(prompts, max_tokens=5) == [reference(model, p, 5) for p in prompts]
+    assert engine.stats.cached_tokens == 0
+
+
+def test_rope_without_array_offsets_serves_one_request_per_forward():
+    """DynamicNTKScalingRoPE cannot take per-row offsets: detected, still exact, still reused."""
+    model = _build(
+        llama, **LLAMA, rope_scaling={"type": "dynamic", "factor": 2.0}, max_position_embeddings=64
+    )
+    with pytest.warns(ReuseDisabledWarning, match="one request per forward"):
+        engine = Engine(model, num_slots=256)
+    assert engine.reuse and not engine.batched
+    rng = random.Random(9)
+    prefix = tokens(rng, 8)
+    prompts = [prefix + [1], prefix + [2, 3, 4], tokens(rng, 3)]
+    assert engine.generate(prompts, max_tokens=6) == [reference(model, p, 6) for p in prompts]
+    assert engine.stats.cached_tokens >= len(prefix)
+
+
+# ---------------------------------------------------------------------------- sampling ----
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(llama_model):
+    rng = random.Random(10)
+    engine = Engine(llama_model, num_slots=512)
+    p, q = tokens(rng, 6), tokens(rng, 9)
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.9, top_k=20)
+    alone = engine.generate([p], seed=7, **kw)[0]
+    together = engine.generate([q, p], seed=[3, 7], **kw)[1]
+    assert alone == together
+    assert engine.generate([p], seed=8, **kw)[0] != alone
+    # top_k=1 is greedy whatever the temperature
+    greedy = engine.generate([p], max_tokens=12, temperature=2.0, top_k=1, seed=0)[0]
+    assert greedy == reference(llama_model, p, 12)
+
+
+def test_stop_tokens_end_a_request(llama_model):
+    rng = random.Random(11)
+    engine = Engine(llama_model, num_slots=512)
+    p = tokens(rng, 7)
+    ref = reference(llama_model, p, 10)
+    stop = ref[3]
+    out = engine.generate([p], max_tokens=10, stop_token_ids=[stop])[0]
+    assert out == ref[: ref.index(stop) + 1]
+    assert_intact(engine)
+
+
+# -------------------------------------------------------------------------- bad input ----
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1, 2], [3, VOCAB]], {}, f"token id {VOCAB} is out of the vocabulary"),
+        ([[1, -1]], {}, "token id -1"),
+        ([[1, 2]], {"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+        ([[1, 2]], {"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ([[1, 2]], {"top_p": 0.0}, "top_p must be in"),
+        ([list(range(1, 40))], {}, "39 tokens but the KV pool holds at most 31"),
+        (["some text"], {}, "no tokenizer"),
+        ([[1.5]], {}, "is not an int"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
+    llama_model, prompts, kwargs, match
+):
+    engine = Engine(llama_model, num_slots=32)
+    engine.generate([[1, 2, 3, 4]], max_tokens=3)
+    tree, free = engine.tree.pretty(), engine.num_free_slots
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, **kwargs)
+    assert engine.tree.pretty() == tree and engine.num_free_slots == free
+    assert engine.generate([[1, 2, 3, 4]], max_tokens=3) == [
+        reference(llama_model, [1, 2, 3, 4], 3)
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"page_size": 0}, "page_size must be an int >= 1, got 0"),
+        ({"num_slots": 1}, "num_slots must be an int >= 2"),
+        ({"max_batch_size": 0}, "max_batch_size must be an int >= 1"),
+        ({"mem_fraction": 1.5}, "mem_fraction must be in"),
+    ],
+)
+def test_bad_engine_arguments(llama_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(llama_model, **kwargs)
+
+
+def test_abandoned_stream_releases_its_requests(llama_model):
+    rng = random.Random(12)
+    engine = Engine(llama_model, num_slots=256)
+    prefix = tokens(rng, 16)
+    prompts = [prefix + tokens(rng, 4) for _ in range(3)]
+    events = engine.stream(prompts, max_tokens=8)
+    for _ in range(5):  # some prefilled, some decoding, some waiting
+        next(events)
+    events.close()
+    assert_intact(engine)
+    assert engine.generate(prompts, max_tokens=8) == [reference(llama_model, p, 8) for p in prompts]
+    assert_intact(engine)
+
+
+# --------------------------------------------------------------------------------- CLI ----
+
+
+def test_cli_loads_a_saved_checkpoint(tmp_path, llama_model):
+    tokenizers = pytest.importorskip("tokenizers")
+    from mlx_lm import generate as mlx_generate
+    from mlx_lm import load
+
+    from mlxcache.generate import main
+
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), dict(tree_flatten(llama_model.parameters()))
+    )
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "eos_token": "</s>",
+            }
+        )
+    )
+
+    model, tokenizer = load(str(tmp_path))
+    want = mlx_generate(model, tokenizer, "w5 w6 w7 w8", max_tokens=8)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        main(["--model", str(tmp_path), "--prompt", "w5 w6 w7 w8", "--max-tokens", "8",
+              "--num-slots", "256"])  # fmt: skip
+    assert out.getvalue().strip() == want.strip()
+    assert want.strip()
+
+
+def test_pool_is_sized_from_memory_when_not_given(llama_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine(llama_model, mem_fraction=0.001)
+    assert 2 <= engine.num_slots <= 1 << 20
