@@ -55,6 +55,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+# Chunks (batch x heads x chunks) handled together by one step of the chunk scan: enough
+# to batch the small matmuls, few enough that a step's working set stays in cache.
+_GROUP_CHUNK_HEADS = 16
+
 __all__ = [
     "ChunkStates",
     "kda_chunked",
@@ -281,12 +285,14 @@ def _intra_chunk(q, k, v, g, beta, scale):
 
     # (I + L) [W, U] = diag(beta) [exp(G) K, V]
     eG = jnp.exp(G)
-    WU = jnp.matmul(T_inv, beta[:, :, None] * jnp.concatenate([eG * k, v], axis=-1))
-    AWU = jnp.matmul(A_qk, WU)
-    Qh = scale * eG * q - AWU[..., :Dk]
+    T_beta = T_inv * beta[:, None, :]
+    W = jnp.matmul(T_beta, eG * k)
+    U = jnp.matmul(T_beta, v)
+    Qh = scale * eG * q - jnp.matmul(A_qk, W)
+    Oi = jnp.matmul(A_qk, U)
     G_last = G[:, -1:]
     KtT = jnp.swapaxes(k * jnp.exp(G_last - G), 1, 2)  # exponents <= 0
-    return Qh, AWU[..., Dk:], WU[..., :Dk], WU[..., Dk:], KtT, jnp.exp(G_last[:, 0])
+    return Qh, Oi, W, U, KtT, jnp.exp(G_last[:, 0])
 
 
 def _merge_blocks(diag, off):
@@ -304,59 +310,72 @@ def _check_chunk_size(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
 
 
-def _scan_chunks(W, U, KtT, decay, S0, reset_idx, init):
-    """The only sequential part: carry the state across chunks (axis 1).
-
-    ``W, U [B, NC, H, C, D*]``, ``KtT [B, NC, H, Dk, C]``, ``decay [B, NC, H, Dk]``,
-    ``S0 [B, H, Dk, Dv]``. When ``reset_idx`` (``[NC]``) is given, chunk ``c`` with
-    ``reset_idx[c] >= 0`` starts from ``init[reset_idx[c]]`` instead of the carried state
-    (packed sequences). Returns ``(S_in, S_out)``, the states entering and leaving every
-    chunk, ``[B, NC, H, Dk, Dv]``.
-    """
-
-    def body(S, xs):
-        if reset_idx is None:
-            w, u, ktT, d = xs
-        else:
-            w, u, ktT, d, r = xs
-            S = jnp.where(r >= 0, init[jnp.maximum(r, 0)][None], S)
-        S_next = d[..., None] * S + jnp.matmul(ktT, u - jnp.matmul(w, S))
-        return S_next, (S, S_next)
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (W, U, KtT, decay))
-    if reset_idx is not None:
-        xs = xs + (reset_idx,)
-    _, (S_in, S_out) = jax.lax.scan(body, S0, xs)
-    return jnp.moveaxis(S_in, 0, 1), jnp.moveaxis(S_out, 0, 1)
-
-
-def _to_chunks(x, C):
-    """``[B, T', H, D] -> [B*NC*H, C, D]`` with ``T' = NC*C`` (heads before time)."""
-    B, Tp, H = x.shape[:3]
-    rest = x.shape[3:]
-    x = x.reshape(B, Tp // C, C, H, *rest)
-    x = jnp.moveaxis(x, 3, 2)  # [B, NC, H, C, ...]
-    return x.reshape(B * (Tp // C) * H, C, *rest)
-
-
-def _chunked_core(q, k, v, g, beta, scale, C, S0, reset_idx=None, init=None):
+def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs=0,
+                  keep_states=False):
     """Chunked KDA over ``[B, NC*C, H, D]`` f32 inputs whose padding is neutral.
 
-    Returns ``(o [B, NC*C, H, Dv], S_in, S_out)`` with states ``[B, NC, H, Dk, Dv]``.
+    One ``lax.scan`` walks groups of ``G`` chunks: the intra-chunk pass runs on the whole
+    group at once (``B*G*H`` chunks, small enough to stay in cache), then the state is carried
+    through the group's chunks. ``S0 [B, H, Dk, Dv]``.
+
+    Packed sequences (``B == 1``): ``resets [NC, 2]`` holds, per chunk, the sequence that
+    starts there (its state comes from ``init [n_seqs, H, Dk, Dv]``) and the sequence that ends
+    there (its final state is recorded), ``-1`` for none.
+
+    Returns ``(o [B, NC*C, H, Dv], final, S_out)``: ``final`` is the carried state ``[B, H, Dk,
+    Dv]`` or, for packed sequences, the per-sequence final states ``[n_seqs, H, Dk, Dv]``;
+    ``S_out [B, NC, H, Dk, Dv]`` (the state after every chunk) only with ``keep_states``.
     """
     B, Tp, H, Dk = q.shape
     Dv = v.shape[-1]
     NC = Tp // C
-    Qh, Oi, W, U, KtT, decay = _intra_chunk(
-        *(_to_chunks(x, C) for x in (q, k, v, g, beta)), scale
-    )
-    shape = lambda x: x.reshape(B, NC, H, *x.shape[1:])
-    S_in, S_out = _scan_chunks(
-        shape(W), shape(U), shape(KtT), shape(decay), S0, reset_idx, init
-    )
-    o = jnp.matmul(Qh, S_in.reshape(B * NC * H, Dk, Dv)) + Oi  # [B*NC*H, C, Dv]
-    o = jnp.moveaxis(o.reshape(B, NC, H, C, Dv), 2, 3).reshape(B, Tp, H, Dv)
-    return o, S_in, S_out
+    G = max(1, min(NC, _GROUP_CHUNK_HEADS // (B * H)))
+    NG = -(-NC // G)
+    pad = NG * G * C - Tp
+    if resets is not None:
+        resets = jnp.pad(resets, ((0, NG * G - NC), (0, 0)), constant_values=-1)
+        resets = resets.reshape(NG, G, 2)
+
+    def to_chunks(x):  # [B, G*C, H, ...] -> [B*G*H, C, ...]
+        x = jnp.moveaxis(x.reshape(B, G, C, H, *x.shape[3:]), 3, 2)
+        return x.reshape(B * G * H, C, *x.shape[4:])
+
+    inputs = [jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+              for x in (q, k, v, g, beta)]
+
+    def body(carry, xs):
+        S, finals = carry
+        i, group_resets = xs
+        # Slice the group out of the inputs in place (no transposed copy of the inputs).
+        group = (jax.lax.dynamic_slice_in_dim(x, i * G * C, G * C, axis=1) for x in inputs)
+        Qh, Oi, W, U, KtT, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
+        split = lambda x: x.reshape(B, G, H, *x.shape[1:])
+        Qh, Oi, W, U, KtT, decay = map(split, (Qh, Oi, W, U, KtT, decay))
+        S_in, S_out = [], []
+        for j in range(G):
+            if group_resets is not None:
+                start, end = group_resets[j, 0], group_resets[j, 1]
+                S = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], S)
+            S_in.append(S)
+            S = decay[:, j, ..., None] * S + jnp.matmul(
+                KtT[:, j], U[:, j] - jnp.matmul(W[:, j], S)
+            )
+            if group_resets is not None:  # index n_seqs (out of range) drops the write
+                finals = finals.at[jnp.where(end >= 0, end, n_seqs)].set(S[0], mode="drop")
+            S_out.append(S)
+        o = jnp.matmul(Qh, jnp.stack(S_in, axis=1)) + Oi  # [B, G, H, C, Dv]
+        o = jnp.moveaxis(o, 2, 3).reshape(B, G * C, H, Dv)
+        return (S, finals), (o, jnp.stack(S_out, axis=1) if keep_states else None)
+
+    finals = init if resets is not None else None
+    xs = (jnp.arange(NG), resets)
+    (S, finals), (o, S_out) = jax.lax.scan(body, (S0, finals), xs)
+    ungroup = lambda x: x.reshape(B, NG * G, *x.shape[3:]) if B == 1 else jnp.moveaxis(
+        x, 0, 1).reshape(B, NG * G, *x.shape[3:])
+    o = ungroup(o.reshape(NG, B, G, C, H, Dv)).reshape(B, NG * G * C, H, Dv)[:, :Tp]
+    if keep_states:
+        S_out = ungroup(S_out)[:, :NC]
+    return o, (S if resets is None else finals), S_out
 
 
 def kda_chunked(
@@ -416,11 +435,11 @@ def kda_chunked(
         NC = max(1, -(-T // C))
         pad = NC * C - T
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        o, _, S_out = _chunked_core(
-            padt(q), padt(k), padt(vf), padt(g), padt(beta), scale, C, S0
+        o, final, S_out = _chunked_core(
+            padt(q), padt(k), padt(vf), padt(g), padt(beta), scale, C, S0,
+            keep_states=return_chunk_states,
         )
         o = o[:, :T].astype(v.dtype)
-        final = S_out[:, -1]
         if not return_chunk_states:
             return o, final
         ends = jnp.minimum((jnp.arange(NC) + 1) * C, T).astype(jnp.int32)
@@ -462,18 +481,18 @@ def kda_chunked(
         buf = jnp.zeros((1, NCb * C) + x.shape[2:], x.dtype)
         return buf.at[0, dest].set(x[0], unique_indices=True, mode="drop")
 
+    # Per buffer chunk: the sequence starting there and the sequence ending there (or -1).
     chunk = jnp.arange(NCb, dtype=jnp.int32)
-    starts = jnp.full((NCb,), -1, jnp.int32)
-    starts = starts.at[jnp.where(lens > 0, first_chunk, NCb)].set(
-        jnp.arange(N, dtype=jnp.int32), mode="drop"
-    )
-    o_buf, _, S_out = _chunked_core(
+    seq_ids = jnp.arange(N, dtype=jnp.int32)
+    mark = lambda where: jnp.full((NCb,), -1, jnp.int32).at[
+        jnp.where(lens > 0, where, NCb)].set(seq_ids, mode="drop")
+    resets = jnp.stack([mark(first_chunk), mark(first_chunk + nchunks - 1)], axis=1)
+    o_buf, final, S_out = _chunked_core(
         to_buf(q), to_buf(k), to_buf(vf), to_buf(g), to_buf(beta), scale, C,
-        init[:1] * 0.0, reset_idx=starts, init=init,
+        jnp.zeros((1, H, Dk, Dv), jnp.float32), resets=resets, init=init, n_seqs=N,
+        keep_states=return_chunk_states,
     )
     o = o_buf[:, dest].astype(v.dtype)
-    last = jnp.clip(first_chunk + nchunks - 1, 0, NCb - 1)
-    final = jnp.where((lens > 0)[:, None, None, None], S_out[0, last], init)
     if not return_chunk_states:
         return o, final
     # Which sequence owns each buffer chunk, and how many of its tokens it has consumed.
