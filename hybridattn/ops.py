@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, Int
 
 # Chunks (batch x heads x chunks) handled together by one step of the chunk scan: enough
 # to batch the small matmuls, few enough that a step's working set stays in cache.
-_GROUP_CHUNK_HEADS = 16
+_GROUP_CHUNK_HEADS = 4
 
 __all__ = [
     "ChunkStates",
@@ -292,7 +292,9 @@ def _intra_chunk(q, k, v, g, beta, scale):
     Oi = jnp.matmul(A_qk, U)
     G_last = G[:, -1:]
     KtT = jnp.swapaxes(k * jnp.exp(G_last - G), 1, 2)  # exponents <= 0
-    return Qh, Oi, W, U, KtT, jnp.exp(G_last[:, 0])
+    # W and Qh both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
+    WQ = jnp.concatenate([W, Qh], axis=1)
+    return WQ, Oi, U, KtT, jnp.exp(G_last[:, 0])
 
 
 def _merge_blocks(diag, off):
@@ -348,22 +350,21 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
         i, group_resets = xs
         # Slice the group out of the inputs in place (no transposed copy of the inputs).
         group = (jax.lax.dynamic_slice_in_dim(x, i * G * C, G * C, axis=1) for x in inputs)
-        Qh, Oi, W, U, KtT, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
+        WQ, Oi, U, KtT, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
         split = lambda x: x.reshape(B, G, H, *x.shape[1:])
-        Qh, Oi, W, U, KtT, decay = map(split, (Qh, Oi, W, U, KtT, decay))
-        S_in, S_out = [], []
+        WQ, Oi, U, KtT, decay = map(split, (WQ, Oi, U, KtT, decay))
+        outs, S_out = [], []
         for j in range(G):
             if group_resets is not None:
                 start, end = group_resets[j, 0], group_resets[j, 1]
                 S = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], S)
-            S_in.append(S)
-            S = decay[:, j, ..., None] * S + jnp.matmul(
-                KtT[:, j], U[:, j] - jnp.matmul(W[:, j], S)
-            )
+            WS_QS = jnp.matmul(WQ[:, j], S)  # [B, H, 2C, Dv]
+            outs.append(WS_QS[..., C:, :])
+            S = decay[:, j, ..., None] * S + jnp.matmul(KtT[:, j], U[:, j] - WS_QS[..., :C, :])
             if group_resets is not None:  # index n_seqs (out of range) drops the write
                 finals = finals.at[jnp.where(end >= 0, end, n_seqs)].set(S[0], mode="drop")
             S_out.append(S)
-        o = jnp.matmul(Qh, jnp.stack(S_in, axis=1)) + Oi  # [B, G, H, C, Dv]
+        o = jnp.stack(outs, axis=1) + Oi  # [B, G, H, C, Dv]
         o = jnp.moveaxis(o, 2, 3).reshape(B, G * C, H, Dv)
         return (S, finals), (o, jnp.stack(S_out, axis=1) if keep_states else None)
 
