@@ -1,1 +1,23 @@
-"""mlxcache: radix (prefix) caching and batched decode for unmodified mlx-lm models."""
+"""mlxcache: radix (prefix) caching and batched decode for unmodified mlx-lm models.
+
+- :mod:`mlxcache.pool`: the KV pool and slot allocator as data plus pure functions.
+- :mod:`mlxcache.radix`: a token-level radix tree with LRU eviction and locks (no MLX import).
+- :mod:`mlxcache.cache`: caches that speak mlx-lm's cache protocol, backed by the pool.
+- :mod:`mlxcache.engine`: :class:`Engine`, continuous batching with prefix reuse.
+
+``Engine`` and ``EngineStats`` are imported lazily, so ``import mlxcache.radix`` never needs MLX.
+"""
+
+__all__ = ["Engine", "EngineStats", "RadixCache"]
+
+
+def __getattr__(name):
+    if name in ("Engine", "EngineStats"):
+        from mlxcache import engine
+
+        return getattr(engine, name)
+    if name == "RadixCache":
+        from mlxcache.radix import RadixCache
+
+        return RadixCache
+    raise AttributeError(f"module 'mlxcache' has no attribute {name!r}")
