@@ -3,13 +3,14 @@
     python -m hybridattn.bench kda [--json] [--quick]
 
 ``kda``: for ``B=1, H=4, Dk=Dv=128`` and ``T`` in ``{1024, 4096, 16384}``, tokens/s of
-``kda_chunked``, ``kda_recurrent`` and mlx-lm's ``gated_delta_update(use_kernel=False)`` (its
-ops path, the one that runs on CPU) on the same inputs (gates included on both sides); decode
-step time for ``B`` in ``{1, 32}``; compile times apart; achieved GFLOP/s of the chunked form and
-its fraction of this machine's f32 matmul peak, measured in the same run.
+``kda_chunked`` (chunk sizes 32 and 64), ``kda_recurrent`` and mlx-lm's
+``gated_delta_update(use_kernel=False)`` (its ops path, the one that runs on CPU) on the same
+inputs (gates included on both sides); decode step time for ``B`` in ``{1, 32}``; compile
+times apart; achieved GFLOP/s of the chunked form and its fraction of this machine's f32 matmul
+peak, measured in the same run.
 
-Timings are the best of several runs after a warm-up; shared machines are noisy, so read the
-ratios.
+Timings are the best of several rounds after a warm-up, each round visiting every contender in
+turn, so a noisy neighbour slows all of them alike; read the ratios.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ import numpy as np
 from hybridattn import ops
 
 
-def _best(fn: Callable[[], object], repeats: int, sync: Callable[[object], object]) -> float:
-    """Best wall time in seconds of ``repeats`` calls (after one warm-up call)."""
-    sync(fn())
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sync(fn())
-        best = min(best, time.perf_counter() - t0)
+def _interleaved_best(runs: dict[str, Callable[[], object]], rounds: int,
+                      sync: dict[str, Callable[[object], object]]) -> dict[str, float]:
+    """Best wall time of each run over ``rounds`` rounds that visit every run in turn, so
+    that a noisy neighbour slows all of them alike."""
+    for name, fn in runs.items():
+        sync[name](fn())  # warm-up
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            sync[name](fn())
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -44,7 +49,7 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     """f32 ``n x n @ n x n`` throughput of XLA on this machine, in GFLOP/s."""
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
-    t = _best(lambda: f(x), repeats, jax.block_until_ready)
+    t = _interleaved_best({"mm": lambda: f(x)}, repeats, {"mm": jax.block_until_ready})["mm"]
     return 2 * n**3 / t / 1e9
 
 
@@ -113,61 +118,66 @@ def _mlx(x, B: int, H: int, D: int):
     return run
 
 
-def bench_kda(quick: bool = False, mlx_max_t: int = 4096, chunk_size: int = 64) -> dict:
+def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
+              chunk_sizes: tuple[int, ...] = (32, 64)) -> dict:
     B, H, D = 1, 4, 128
     Ts = [1024, 4096] if quick else [1024, 4096, 16384]
-    repeats = 2 if quick else 3
+    rounds = 3 if quick else 5
     peak = matmul_peak_gflops()
-    have_mlx = True
     try:
         import mlx.core  # noqa: F401
         import mlx_lm  # noqa: F401
+
+        have_mlx = True
     except ImportError:
         have_mlx = False
 
     rows = []
     for T in Ts:
         x = _inputs(B, T, H, D)
-        run_c, comp_c = _ours(x, chunk_size)
-        t_c = _best(run_c, repeats, jax.block_until_ready)
-        run_r, comp_r = _ours(x, None)
-        t_r = _best(run_r, max(1, repeats - 1), jax.block_until_ready)
-        row = dict(
-            T=T,
-            chunked_tok_s=T / t_c,
-            recurrent_tok_s=T / t_r,
-            chunked_ms=t_c * 1e3,
-            recurrent_ms=t_r * 1e3,
-            chunked_compile_s=comp_c,
-            recurrent_compile_s=comp_r,
-            chunked_gflops=chunked_flops(T, H, D, D, chunk_size) / t_c / 1e9,
-        )
-        row["chunked_peak_fraction"] = row["chunked_gflops"] / peak
-        row["chunked_vs_recurrent"] = t_r / t_c
+        runs, sync, compile_s = {}, {}, {}
+        for C in chunk_sizes:
+            runs[f"chunked{C}"], compile_s[f"chunked{C}"] = _ours(x, C)
+        runs["recurrent"], compile_s["recurrent"] = _ours(x, None)
+        sync = dict.fromkeys(runs, jax.block_until_ready)
         if have_mlx and T <= mlx_max_t:
-            run_m = _mlx(x, B, H, D)
-            t_m = _best(run_m, 1, lambda o: o)
-            row["mlx_ops_tok_s"] = T / t_m
-            row["mlx_ops_ms"] = t_m * 1e3
-            row["chunked_vs_mlx_ops"] = t_m / t_c
+            runs["mlx_ops"] = _mlx(x, B, H, D)
+            sync["mlx_ops"] = lambda o: o
+        # mlx-lm's ops path is slow: one timed round of it is plenty.
+        slow = {n: runs.pop(n) for n in ["mlx_ops"] if n in runs}
+        best = _interleaved_best(runs, rounds if T <= 4096 else 2, sync)
+        best.update(_interleaved_best(slow, 1, sync))
+        row = dict(T=T, recurrent_tok_s=T / best["recurrent"],
+                   recurrent_ms=best["recurrent"] * 1e3,
+                   recurrent_compile_s=compile_s["recurrent"], chunked={})
+        if "mlx_ops" in best:
+            row["mlx_ops_tok_s"] = T / best["mlx_ops"]
+            row["mlx_ops_ms"] = best["mlx_ops"] * 1e3
+        for C in chunk_sizes:
+            t = best[f"chunked{C}"]
+            gflops = chunked_flops(T, H, D, D, C) / t / 1e9
+            entry = dict(tok_s=T / t, ms=t * 1e3, compile_s=compile_s[f"chunked{C}"],
+                         gflops=gflops, peak_fraction=gflops / peak,
+                         vs_recurrent=best["recurrent"] / t)
+            if "mlx_ops" in best:
+                entry["vs_mlx_ops"] = best["mlx_ops"] / t
+            row["chunked"][C] = entry
         rows.append(row)
 
     decode = []
     for Bd in (1, 32):
         rng = np.random.default_rng(1)
-        q, k = (jnp.asarray(ops.l2norm(jnp.asarray(rng.standard_normal((Bd, H, D),
-                                                                        np.float32))))
+        q, k = (ops.l2norm(jnp.asarray(rng.standard_normal((Bd, H, D), np.float32)))
                 for _ in range(2))
         v = jnp.asarray(rng.standard_normal((Bd, H, D), np.float32))
         g = -jnp.asarray(rng.uniform(0, 1, (Bd, H, D)).astype(np.float32))
         beta = jnp.full((Bd, H), 0.5, jnp.float32)
         state = jnp.zeros((Bd, H, D, D), jnp.float32)
-        step = jax.jit(ops.kda_decode, donate_argnums=())
         t0 = time.perf_counter()
-        compiled = step.lower(q, k, v, g, beta, state).compile()
+        compiled = jax.jit(ops.kda_decode).lower(q, k, v, g, beta, state).compile()
         comp = time.perf_counter() - t0
-        t = _best(lambda: compiled(q, k, v, g, beta, state), 20, jax.block_until_ready)
-        entry = dict(B=Bd, ours_ms=t * 1e3, ours_compile_s=comp)
+        runs = {"ours": lambda: compiled(q, k, v, g, beta, state)}
+        sync = {"ours": jax.block_until_ready}
         if have_mlx:
             import mlx.core as mx
             from mlx_lm.models.gated_delta import gated_delta_update
@@ -183,13 +193,17 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096, chunk_size: int = 64) 
                 mx.eval(*out)
                 return out
 
-            entry["mlx_ops_ms"] = _best(run_m, 20, lambda o: o) * 1e3
+            runs["mlx_ops"], sync["mlx_ops"] = run_m, lambda o: o
+        best = _interleaved_best(runs, 30, sync)
+        entry = dict(B=Bd, ours_ms=best["ours"] * 1e3, ours_compile_s=comp)
+        if "mlx_ops" in best:
+            entry["mlx_ops_ms"] = best["mlx_ops"] * 1e3
         decode.append(entry)
 
     return dict(
-        machine=dict(platform=platform.platform(), cpu_count=jax.local_device_count(),
-                     backend=jax.default_backend(), jax=jax.__version__),
-        shape=dict(B=B, H=H, Dk=D, Dv=D, chunk_size=chunk_size),
+        machine=dict(platform=platform.platform(), backend=jax.default_backend(),
+                     jax=jax.__version__),
+        shape=dict(B=B, H=H, Dk=D, Dv=D, chunk_sizes=list(chunk_sizes)),
         matmul_peak_gflops=peak,
         prefill=rows,
         decode=decode,
@@ -198,25 +212,35 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096, chunk_size: int = 64) 
 
 def _print_kda(res: dict) -> None:
     s = res["shape"]
-    print(f"KDA  B={s['B']} H={s['H']} Dk=Dv={s['Dk']} chunk={s['chunk_size']}  "
-          f"backend={res['machine']['backend']}  f32 matmul peak "
-          f"{res['matmul_peak_gflops']:.1f} GFLOP/s (measured in this run)")
-    hdr = (f"{'T':>6} | {'chunked tok/s':>13} | {'recurrent tok/s':>15} | {'mlx-lm ops tok/s':>16} "
-           f"| {'vs rec':>6} | {'vs mlx':>7} | {'GFLOP/s':>7} | {'% peak':>6} | compile c/r (s)")
+    print(f"KDA prefill  B={s['B']} H={s['H']} Dk=Dv={s['Dk']}  backend="
+          f"{res['machine']['backend']}  f32 matmul peak {res['matmul_peak_gflops']:.1f} "
+          f"GFLOP/s (measured in this run)")
+    hdr = (f"{'T':>6} | {'kernel':>12} | {'tok/s':>8} | {'ms':>8} | {'vs recurrent':>12} | "
+           f"{'vs mlx-lm':>9} | {'GFLOP/s':>7} | {'% peak':>6} | {'compile s':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in res["prefill"]:
-        mlx_tok = f"{r['mlx_ops_tok_s']:16.0f}" if "mlx_ops_tok_s" in r else f"{'-':>16}"
-        vs_mlx = f"{r['chunked_vs_mlx_ops']:6.1f}x" if "chunked_vs_mlx_ops" in r else f"{'-':>7}"
-        print(f"{r['T']:>6} | {r['chunked_tok_s']:13.0f} | {r['recurrent_tok_s']:15.0f} | "
-              f"{mlx_tok} | {r['chunked_vs_recurrent']:5.2f}x | {vs_mlx} | "
-              f"{r['chunked_gflops']:7.1f} | {100 * r['chunked_peak_fraction']:5.1f}% | "
-              f"{r['chunked_compile_s']:.2f} / {r['recurrent_compile_s']:.2f}")
+        for C, e in r["chunked"].items():
+            vs_mlx = f"{e['vs_mlx_ops']:8.1f}x" if "vs_mlx_ops" in e else f"{'-':>9}"
+            print(f"{r['T']:>6} | {'chunked ' + str(C):>12} | {e['tok_s']:8.0f} | "
+                  f"{e['ms']:8.1f} | {e['vs_recurrent']:11.2f}x | {vs_mlx} | "
+                  f"{e['gflops']:7.1f} | {100 * e['peak_fraction']:5.1f}% | "
+                  f"{e['compile_s']:9.2f}")
+        print(f"{r['T']:>6} | {'recurrent':>12} | {r['recurrent_tok_s']:8.0f} | "
+              f"{r['recurrent_ms']:8.1f} | {'1.00x':>12} | {'':>9} | {'':>7} | {'':>6} | "
+              f"{r['recurrent_compile_s']:9.2f}")
+        if "mlx_ops_tok_s" in r:
+            print(f"{r['T']:>6} | {'mlx-lm ops':>12} | {r['mlx_ops_tok_s']:8.0f} | "
+                  f"{r['mlx_ops_ms']:8.1f} |")
     print()
-    print(f"{'decode B':>8} | {'ours ms/step':>12} | {'mlx-lm ops ms/step':>18} | compile (s)")
+    print(f"KDA decode (one token per request)\n{'B':>4} | {'ours ms/step':>12} | "
+          f"{'mlx-lm ops ms/step':>18} | {'ratio':>6} | compile s")
     for d in res["decode"]:
-        mlx_ms = f"{d['mlx_ops_ms']:18.3f}" if "mlx_ops_ms" in d else f"{'-':>18}"
-        print(f"{d['B']:>8} | {d['ours_ms']:12.3f} | {mlx_ms} | {d['ours_compile_s']:.2f}")
+        if "mlx_ops_ms" in d:
+            mlx_ms = f"{d['mlx_ops_ms']:18.3f} | {d['mlx_ops_ms'] / d['ours_ms']:5.1f}x"
+        else:
+            mlx_ms = f"{'-':>18} | {'':>6}"
+        print(f"{d['B']:>4} | {d['ours_ms']:12.3f} | {mlx_ms} | {d['ours_compile_s']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,12 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kda", help="KDA kernels: chunked vs recurrent vs mlx-lm")
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
     k.add_argument("--quick", action="store_true", help="T in {1024, 4096} only, fewer repeats")
-    k.add_argument("--chunk-size", type=int, default=64)
+    k.add_argument("--chunk-sizes", type=int, nargs="+", default=[32, 64],
+                   help="chunk sizes of kda_chunked to measure")
     k.add_argument("--mlx-max-t", type=int, default=4096,
                    help="longest T to run mlx-lm's ops path on (it is slow)")
     args = p.parse_args(argv)
     if args.what == "kda":
-        res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t, chunk_size=args.chunk_size)
+        res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
+                        chunk_sizes=tuple(args.chunk_sizes))
         if args.json:
             json.dump(res, sys.stdout, indent=2)
             print()
