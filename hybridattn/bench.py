@@ -122,7 +122,7 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
               chunk_sizes: tuple[int, ...] = (32, 64)) -> dict:
     B, H, D = 1, 4, 128
     Ts = [1024, 4096] if quick else [1024, 4096, 16384]
-    rounds = 3 if quick else 5
+    rounds = 4 if quick else 12
     peak = matmul_peak_gflops()
     try:
         import mlx.core  # noqa: F401

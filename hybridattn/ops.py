@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, Int
 
 # Chunks (batch x heads x chunks) handled together by one step of the chunk scan: enough
 # to batch the small matmuls, few enough that a step's working set stays in cache.
-_GROUP_CHUNK_HEADS = 4
+_GROUP_CHUNK_HEADS = 16
 
 __all__ = [
     "ChunkStates",
