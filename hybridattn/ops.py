@@ -27,24 +27,25 @@ How the chunked form stays exact and overflow-free
 Within a chunk of ``C`` tokens let ``G`` be the inclusive cumulative sum of ``g`` (so ``G`` is
 non-increasing). The intra-chunk interactions need ``exp(G_i - G_j)`` for ``j <= i``. Real
 checkpoints have per-token ``|g|`` in the thousands, so ``exp(G_i)`` and ``exp(-G_j)`` must
-never be formed separately. We split the chunk into sub-chunks of ``c`` tokens:
-
-* for sub-chunk ``a`` against all earlier tokens we factor through the reference point
-  ``r = a*c - 1`` (the token just before the sub-chunk): ``exp(G_i - G_r) * exp(G_r - G_j)``
-  with both exponents <= 0, so each factor is in ``[0, 1]`` and the product only underflows
-  where the true value does. That part is one batched matmul per sub-chunk row.
-* inside a sub-chunk we form ``exp(where(j <= i, G_i - G_j, -inf))`` directly (``c*c*Dk``
-  elements per sub-chunk, small).
+never be formed separately. The lower-triangular ``[C, C]`` matrices are built bottom-up over
+block sizes ``s = 1, 2, 4, ..., C/2``: each ``2s`` block gains its lower-left ``s x s``
+quadrant (rows in the second half, columns in the first), whose factors go through the
+reference point ``r`` between the halves, ``exp(G_i - G_r) * exp(G_r - G_j)``. Both exponents
+are ``<= 0``, so each factor is in ``[0, 1]`` and the product only underflows where the true
+value does; the quadrant itself is one batched matmul. ``G`` is kept local to the current
+block, so the exponent differences stay precise even after huge decays.
 
 The delta rule inside a chunk is the WY/UT transform: ``(I + L) [W, U] = diag(beta) [exp(G) K,
-V]`` with ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``), solved by one batched
-triangular solve. Everything that depends on the chunk's start state ``S_0`` is linear in it::
+V]`` with ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``); ``(I + L)^-1`` is
+built by the same block recursion (``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1,
+D^-1]]``). Everything that depends on the chunk's start state ``S`` is linear in it::
 
-    O_chunk = Qh S_0 + A_qk U         Qh = scale exp(G) * Q - A_qk W
-    S_next  = M  S_0 + Kt^T U         M  = diag(exp(G_last)) - Kt^T W,  Kt = exp(G_last - G) * K
+    O_chunk = Qh S + A_qk U          Qh = scale exp(G) * Q - A_qk W
+    S_next  = exp(G_last) * S + Kt^T (U - W S),     Kt = exp(G_last - G) * K
 
-so all of ``Qh, A_qk U, M, Kt^T U`` are computed for every chunk in parallel, and the only
-sequential work is ``S <- M S + B``: one ``[Dk, Dk] @ [Dk, Dv]`` matmul per chunk.
+so ``Qh, A_qk U, W, U, Kt`` are computed for many chunks at once, and the only sequential
+work is ``[W; Qh] @ S`` and ``Kt^T @ (.)`` per chunk, in one ``lax.scan`` over groups of
+chunks sized to stay in cache.
 """
 
 from __future__ import annotations
@@ -243,18 +244,17 @@ def _intra_chunk(q, k, v, g, beta, scale):
     """Per-chunk quantities for ``N`` independent chunks (all batch axes flattened).
 
     Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]`` with ``C`` a power
-    of two. Returns ``(Qh, Oi, W, U, KtT, decay)`` with ``Qh [N,C,Dk]``, ``Oi, W, U`` as in the
-    module docstring, ``KtT [N,Dk,C]`` and ``decay = exp(G_last) [N, Dk]``: for a chunk whose
-    start state is ``S``, ``o = Qh @ S + Oi`` and
+    of two. Returns ``(WQ, Oi, U, KtT, decay)``: ``WQ = [W; Qh] [N, 2C, Dk]``, ``Oi, U
+    [N, C, Dv]`` as in the module docstring, ``KtT [N, Dk, C]`` and ``decay = exp(G_last)
+    [N, Dk]``. For a chunk whose start state is ``S``: ``o = Qh @ S + Oi`` and
     ``S_next = decay[:, None] * S + KtT @ (U - W @ S)``.
 
-    The lower-triangular matrices ``A_kk``, ``A_qk`` and the inverse of ``I + L`` are built
-    bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block size ``s`` every ``2s`` block
-    gains its lower-left ``s x s`` quadrant, whose decay factors go through the reference
-    point between the two halves, so every exponent is ``<= 0``.
+    ``A_qk`` and the inverse of ``I + L`` (``L = diag(beta) A_kk``, whose blocks are only
+    needed on the way) are built bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block
+    size ``s`` every ``2s`` block gains its lower-left ``s x s`` quadrant, whose decay factors
+    go through the reference point between the two halves, so every exponent is ``<= 0``.
     """
     N, C, Dk = k.shape
-    A_kk = jnp.zeros((N, C, 1, 1), jnp.float32)  # strictly lower: no diagonal
     A_qk = jnp.sum(q * k, axis=-1)[:, :, None, None]  # exp(G_i - G_i) = 1 on the diagonal
     T_inv = jnp.ones((N, C, 1, 1), jnp.float32)  # (I + L)^-1, block by block
     G = g  # inclusive cumulative log-decay within blocks of the current size
@@ -275,7 +275,6 @@ def _intra_chunk(q, k, v, g, beta, scale):
         L_off = beta.reshape(N, nb, 2, s)[:, :, 1, :, None] * off_kk
         T2 = T_inv.reshape(N, nb, 2, s, s)
         T_off = -jnp.matmul(T2[:, :, 1], jnp.matmul(L_off, T2[:, :, 0]))
-        A_kk = _merge_blocks(A_kk, off_kk)
         A_qk = _merge_blocks(A_qk, off_qk)
         T_inv = _merge_blocks(T_inv, T_off)
         G = jnp.concatenate([first, second + total], axis=2).reshape(N, C, Dk)
