@@ -158,6 +158,15 @@ def _kda_step(state, q, k, v, g, beta, scale):
     return state, o
 
 
+def _initial_state(state, shape, what=""):
+    """``state`` as f32 of ``shape`` (zeros if ``None``), or a ValueError naming the shape."""
+    if state is None:
+        return jnp.zeros(shape, jnp.float32)
+    if state.shape != shape:
+        raise ValueError(f"initial_state has shape {state.shape}, expected {shape}{what}")
+    return state.astype(jnp.float32)
+
+
 def _check_qkv(q, k, v, g, beta):
     if k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share a shape, got q{q.shape} k{k.shape} g{g.shape}")
@@ -194,15 +203,12 @@ def kda_recurrent(
     Dv = v.shape[-1]
     scale = _default_scale(scale, Dk)
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
-    if initial_state is None:
-        initial_state = jnp.zeros((B, H, Dk, Dv), jnp.float32)
+    S0 = _initial_state(initial_state, (B, H, Dk, Dv))
 
     def body(state, xs):
         return _kda_step(state, *xs, scale)
 
-    final, o = jax.lax.scan(
-        body, initial_state.astype(jnp.float32), (f32(q), f32(k), f32(v), f32(g), f32(beta))
-    )
+    final, o = jax.lax.scan(body, S0, (f32(q), f32(k), f32(v), f32(g), f32(beta)))
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), final
 
 
@@ -306,6 +312,20 @@ def _merge_blocks(diag, off):
     return jnp.concatenate([top, bottom], axis=-2)
 
 
+def _packed_positions(cu_seqlens, B: int, T: int):
+    """For ``N`` sequences packed along ``T`` (``B == 1``): ``(cu, seq, local)`` with ``seq``
+    the sequence of every token and ``local`` its position within that sequence."""
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B={B}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got shape {cu_seqlens.shape}")
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    tok = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, N - 1).astype(jnp.int32)
+    return cu, seq, tok - cu[seq]
+
+
 def _check_chunk_size(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
@@ -313,7 +333,8 @@ def _check_chunk_size(chunk_size: int) -> None:
 
 def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs=0,
                   keep_states=False):
-    """Chunked KDA over ``[B, NC*C, H, D]`` f32 inputs whose padding is neutral.
+    """Chunked KDA over ``[B, T, H, D]`` f32 inputs (any ``T``; the tail is padded with
+    neutral tokens).
 
     One ``lax.scan`` walks groups of ``G`` chunks: the intra-chunk pass runs on the whole
     group at once (``B*G*H`` chunks, small enough to stay in cache), then the state is carried
@@ -323,13 +344,13 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
     starts there (its state comes from ``init [n_seqs, H, Dk, Dv]``) and the sequence that ends
     there (its final state is recorded), ``-1`` for none.
 
-    Returns ``(o [B, NC*C, H, Dv], final, S_out)``: ``final`` is the carried state ``[B, H, Dk,
+    Returns ``(o [B, T, H, Dv], final, S_out)``: ``final`` is the carried state ``[B, H, Dk,
     Dv]`` or, for packed sequences, the per-sequence final states ``[n_seqs, H, Dk, Dv]``;
     ``S_out [B, NC, H, Dk, Dv]`` (the state after every chunk) only with ``keep_states``.
     """
     B, Tp, H, Dk = q.shape
     Dv = v.shape[-1]
-    NC = Tp // C
+    NC = max(1, -(-Tp // C))
     G = max(1, min(NC, _GROUP_CHUNK_HEADS // (B * H)))
     NG = -(-NC // G)
     pad = NG * G * C - Tp
@@ -424,24 +445,14 @@ def kda_chunked(
     q, k, vf, g, beta = f32(q), f32(k), f32(v), f32(g), f32(beta)
 
     if cu_seqlens is None:
-        if initial_state is None:
-            S0 = jnp.zeros((B, H, Dk, Dv), jnp.float32)
-        else:
-            if initial_state.shape != (B, H, Dk, Dv):
-                raise ValueError(
-                    f"initial_state has shape {initial_state.shape}, expected {(B, H, Dk, Dv)}"
-                )
-            S0 = f32(initial_state)
-        NC = max(1, -(-T // C))
-        pad = NC * C - T
-        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        S0 = _initial_state(initial_state, (B, H, Dk, Dv))
         o, final, S_out = _chunked_core(
-            padt(q), padt(k), padt(vf), padt(g), padt(beta), scale, C, S0,
-            keep_states=return_chunk_states,
+            q, k, vf, g, beta, scale, C, S0, keep_states=return_chunk_states
         )
-        o = o[:, :T].astype(v.dtype)
+        o = o.astype(v.dtype)
         if not return_chunk_states:
             return o, final
+        NC = S_out.shape[1]
         ends = jnp.minimum((jnp.arange(NC) + 1) * C, T).astype(jnp.int32)
         cs = ChunkStates(
             S_out,
@@ -451,30 +462,15 @@ def kda_chunked(
         return o, final, cs
 
     # ---- packed variable-length sequences ----
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B={B}")
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got shape {cu_seqlens.shape}")
-    N = cu_seqlens.shape[0] - 1
-    if initial_state is None:
-        init = jnp.zeros((N, H, Dk, Dv), jnp.float32)
-    else:
-        if initial_state.shape != (N, H, Dk, Dv):
-            raise ValueError(
-                f"initial_state has shape {initial_state.shape}, expected {(N, H, Dk, Dv)} "
-                f"(one state per sequence of cu_seqlens)"
-            )
-        init = f32(initial_state)
-    cu = cu_seqlens.astype(jnp.int32)
+    cu, seq, local = _packed_positions(cu_seqlens, B, T)
+    N = cu.shape[0] - 1
+    init = _initial_state(initial_state, (N, H, Dk, Dv), " (one state per sequence of cu_seqlens)")
     lens = cu[1:] - cu[:-1]
     nchunks = -(-lens // C)  # chunks per sequence
     first_chunk = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nchunks)[:-1]])
     NCb = max(1, (T + N * (C - 1)) // C)  # static bound on sum(ceil(len / C))
 
     # Buffer position of each packed token: its sequence starts on a fresh chunk.
-    tok = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, N - 1).astype(jnp.int32)
-    local = tok - cu[seq]
     dest = first_chunk[seq] * C + local
 
     def to_buf(x):
@@ -558,18 +554,14 @@ def short_conv(
         new_state = full[:, T:].astype(x.dtype)
         return jax.nn.silu(y).astype(x.dtype), new_state
 
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs B == 1 (sequences packed along T), got B={B}")
-    N = cu_seqlens.shape[0] - 1
+    cu, seq, local = _packed_positions(cu_seqlens, B, T)
+    N = cu.shape[0] - 1
     if state is None:
         state = jnp.zeros((N, K - 1, C), x.dtype)
     if state.shape != (N, K - 1, C):
         raise ValueError(f"conv state has shape {state.shape}, expected {(N, K - 1, C)}")
-    cu = cu_seqlens.astype(jnp.int32)
     st = state.astype(jnp.float32)
     tok = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, N - 1)
-    local = tok - cu[seq]
 
     def lookback(s):
         """Input ``s`` steps before each token (``s >= 1``), from x or from the state."""
