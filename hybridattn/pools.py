@@ -1,0 +1,595 @@
+"""Memory pools for serving: slot allocators, request tables, the MLA KV cache, KDA states.
+
+Data flow. The host scheduler owns the allocators. For a new request it allocates a request
+row (and, for a hybrid model, a recurrent-state slot: :func:`alloc_reqs`) and, for every
+token it will run, a token slot from a :class:`SlotAllocator` over the KV cache's slots (the
+token-to-KV allocator is just a ``SlotAllocator``; nothing else is needed). It records where
+each token lives with :func:`write_token_slots` (``req_to_token[row, position] = slot``).
+The attention backends then read :func:`get_token_slots` (MLA layers gather their latent KV
+from :class:`MLATokenPool` at those slots, and write new tokens with :func:`set_mla_kv`) and
+:func:`get_linear_recurrent_indices` (KDA layers read and write their conv / SSM states in
+:class:`RecurrentStatePool` at those slots). Freeing a request row does not free its token
+slots: whoever owns them (the scheduler, later a prefix cache) frees them explicitly.
+
+The slot-0 sink rule. Slot 0 of every pool (token slots, request rows, state slots) is a
+reserved padding sink: no allocator ever hands it out, padded batch entries use index 0, and
+their reads and writes land in the sink, so a fixed-shape batch needs no masking in the
+kernels. Request row 0 is kept all zeros (writes to it are dropped), so a padded request sees
+token slot 0 and state slot 0 only.
+
+Everything here is an immutable pytree updated by pure functions, and jit-compiles: counts
+are int32 arrays, sizes are static (shapes, ``max_count``, ``width``, layer ids). Inside jit,
+running out of capacity is a returned ``ok`` flag, never an exception, and a failed
+allocation returns its input unchanged. The ``*_or_raise`` helpers and the size properties
+are for the host only.
+"""
+
+# Shape aliases (as in maxtext's page_manager):
+#   N   allocator capacity: the slots it can hand out (= slots - 1, slot 0 is the sink)
+#   M   slot ids passed to one free
+#   R   request rows: max_running_requests + 1 (row 0 is the padding row)
+#   L   max context length: columns of req_to_token
+#   S   slots of a data pool, sink included: token slots (MLA) or state slots (KDA)
+#   T   tokens in a batch (padding tokens use request row 0 / token slot 0)
+#   B   requests in a batch (padding requests use row 0)
+#   r   kv_lora_rank (MLA latent width); dr: qk_rope_head_dim (decoupled RoPE key width)
+#   K   short-conv kernel size, C: conv channels; H, Dk, Dv: KDA heads and head dims
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from hybridattn._pytree import pytree_dataclass
+
+__all__ = [
+    "HybridReqToTokenPool",
+    "MLATokenPool",
+    "PoolExhausted",
+    "RecurrentStatePool",
+    "ReqToTokenPool",
+    "SlotAllocator",
+    "alloc",
+    "alloc_or_raise",
+    "alloc_reqs",
+    "copy_states",
+    "free",
+    "free_reqs",
+    "get_linear_recurrent_indices",
+    "get_mla_kv",
+    "get_states",
+    "get_token_slots",
+    "set_mla_kv",
+    "set_states",
+    "write_token_slots",
+]
+
+
+class PoolExhausted(RuntimeError):
+    """A host-side allocation (``*_or_raise``) asked for more slots than are free."""
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# slot allocator
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass()
+class SlotAllocator:
+    """A stack of free slot ids over slots ``1 .. N`` (slot 0 is the sink, never handed out).
+
+    ``free_slots[:num_free]`` are the free ids, the top of the stack at ``num_free - 1``;
+    entries past ``num_free`` are stale. The capacity ``N`` is ``free_slots.shape[0]``.
+    """
+
+    free_slots: Int[Array, " N"]
+    num_free: Int[Array, ""]
+
+    @classmethod
+    def create(cls, num_slots: int) -> SlotAllocator:
+        """An allocator over ``num_slots`` slots (sink included): ``1 .. num_slots-1`` free,
+        handed out in increasing order from a fresh allocator."""
+        _check_int("num_slots", num_slots, 2)
+        n = num_slots - 1
+        return cls(
+            free_slots=jnp.arange(n, 0, -1, dtype=jnp.int32),  # top of the stack is slot 1
+            num_free=jnp.asarray(n, jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Slots that can be handed out (the sink excluded)."""
+        return self.free_slots.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """All slots, the sink included (``capacity + 1``)."""
+        return self.capacity + 1
+
+    @property
+    def num_used(self) -> int:
+        """Slots handed out and not freed (host int)."""
+        return self.capacity - int(self.num_free)
+
+    def alloc(self, count: int | Int[Array, ""], max_count: int):
+        """Same as :func:`alloc`."""
+        return alloc(self, count, max_count)
+
+    def free(self, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None):
+        """Same as :func:`free`."""
+        return free(self, slots, mask)
+
+
+def alloc(
+    allocator: SlotAllocator, count: int | Int[Array, ""], max_count: int
+) -> tuple[SlotAllocator, Int[Array, " max_count"], Bool[Array, ""]]:
+    """Take ``count`` free slots: ``(allocator, slots, ok)``.
+
+    ``slots[:count]`` are the new ids and the rest of the ``[max_count]`` array is 0.
+    ``count`` may be traced; ``max_count`` is static. If ``count`` is negative, above
+    ``max_count`` or above the number of free slots, ``ok`` is False, the allocator comes back
+    unchanged and ``slots`` is all zeros. A python ``count > max_count`` is a ValueError.
+
+    >>> a = SlotAllocator.create(8)
+    >>> a, slots, ok = alloc(a, 3, max_count=4)
+    >>> slots.tolist(), bool(ok), int(a.num_free)
+    ([1, 2, 3, 0], True, 4)
+    >>> a, slots, ok = alloc(a, 5, max_count=5)
+    >>> slots.tolist(), bool(ok), int(a.num_free)
+    ([0, 0, 0, 0, 0], False, 4)
+    >>> a = free(a, jnp.array([2, 0]))
+    >>> alloc(a, 2, max_count=2)[1].tolist()
+    [2, 4]
+    """
+    _check_int("max_count", max_count, 0)
+    if isinstance(count, int) and count > max_count:
+        raise ValueError(f"count {count} exceeds max_count {max_count}")
+    count = jnp.asarray(count, jnp.int32)
+    n = allocator.free_slots.shape[0]
+    ok = (count >= 0) & (count <= max_count) & (count <= allocator.num_free)
+    i = jnp.arange(max_count, dtype=jnp.int32)
+    src = jnp.clip(allocator.num_free - 1 - i, 0, max(n - 1, 0))  # pop from the top
+    slots = jnp.where(ok & (i < count), allocator.free_slots[src], 0).astype(jnp.int32)
+    num_free = allocator.num_free - jnp.where(ok, count, 0)
+    return allocator.replace(num_free=num_free), slots, ok
+
+
+def free(
+    allocator: SlotAllocator, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None
+) -> SlotAllocator:
+    """Push back every ``slots[i]`` with ``mask[i]`` true (all if ``mask`` is None).
+
+    Slot 0 is always ignored, and so are ids outside ``1 .. N``. Freeing a slot that is not in
+    use (or the same slot twice) is a caller bug and corrupts the stack.
+    """
+    n = allocator.free_slots.shape[0]
+    keep = (slots > 0) & (slots <= n)
+    if mask is not None:
+        keep = keep & mask
+    pos = allocator.num_free + jnp.cumsum(keep, dtype=jnp.int32) - 1  # compact the kept ids
+    free_slots = allocator.free_slots.at[jnp.where(keep, pos, n)].set(
+        slots.astype(jnp.int32), mode="drop"
+    )
+    num_free = allocator.num_free + jnp.sum(keep, dtype=jnp.int32)
+    return allocator.replace(free_slots=free_slots, num_free=num_free)
+
+
+def alloc_or_raise(
+    allocator: SlotAllocator, count: int, what: str = "slots"
+) -> tuple[SlotAllocator, np.ndarray]:
+    """Host helper: :func:`alloc` exactly ``count`` slots, returned as a numpy array, or raise
+    :class:`PoolExhausted` naming ``what`` and the numbers. Compiled once per power of two of
+    ``count``; the allocator is left unchanged when it raises.
+
+    >>> a, slots = alloc_or_raise(SlotAllocator.create(4), 2, what="token slots")
+    >>> slots.tolist()
+    [1, 2]
+    >>> alloc_or_raise(a, 2, what="token slots")
+    Traceback (most recent call last):
+    ...
+    hybridattn.pools.PoolExhausted: token slots exhausted: need 2, 1 free of 3
+    """
+    _check_int("count", count, 0)
+    bucket = 1 << max(count - 1, 0).bit_length()  # one compile per power of two
+    new, slots, ok = _alloc_jit(allocator, jnp.asarray(count, jnp.int32), max_count=bucket)
+    if not bool(ok):
+        raise PoolExhausted(
+            f"{what} exhausted: need {count}, {int(allocator.num_free)} free "
+            f"of {allocator.capacity}"
+        )
+    return new, np.asarray(slots)[:count]
+
+
+_alloc_jit = jax.jit(alloc, static_argnames="max_count")
+
+
+# --------------------------------------------------------------------------------------------
+# request tables
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass()
+class ReqToTokenPool:
+    """Token slot of every (request row, position), and the allocator of request rows.
+
+    Row 0 is the padding row: never allocated, never written, all zeros.
+    """
+
+    req_to_token: Int[Array, "R L"]
+    allocator: SlotAllocator
+
+    @classmethod
+    def create(cls, max_running_requests: int, max_context_len: int) -> ReqToTokenPool:
+        """An empty table with ``max_running_requests + 1`` rows of ``max_context_len``."""
+        _check_int("max_running_requests", max_running_requests, 1)
+        _check_int("max_context_len", max_context_len, 1)
+        return cls(
+            req_to_token=jnp.zeros((max_running_requests + 1, max_context_len), jnp.int32),
+            allocator=SlotAllocator.create(max_running_requests + 1),
+        )
+
+    @property
+    def max_running_requests(self) -> int:
+        """Request rows that can be handed out (row 0 excluded)."""
+        return self.req_to_token.shape[0] - 1
+
+    @property
+    def max_context_len(self) -> int:
+        """Positions per request row."""
+        return self.req_to_token.shape[1]
+
+
+@pytree_dataclass()
+class HybridReqToTokenPool(ReqToTokenPool):
+    """A :class:`ReqToTokenPool` that also gives every request row a recurrent-state slot.
+
+    ``req_to_state[row]`` is the state slot of the request in ``row`` (0 for free rows and the
+    padding row); ``state_allocator`` hands out state slots ``1 .. num_state_slots - 1``.
+    """
+
+    req_to_state: Int[Array, " R"]
+    state_allocator: SlotAllocator
+
+    @classmethod
+    def create(
+        cls, max_running_requests: int, max_context_len: int, num_state_slots: int | None = None
+    ) -> HybridReqToTokenPool:
+        """Like :meth:`ReqToTokenPool.create`, with ``num_state_slots`` state slots (sink
+        included; default ``max_running_requests + 1``)."""
+        base = ReqToTokenPool.create(max_running_requests, max_context_len)
+        if num_state_slots is None:
+            num_state_slots = max_running_requests + 1
+        _check_int("num_state_slots", num_state_slots, 2)
+        return cls(
+            req_to_token=base.req_to_token,
+            allocator=base.allocator,
+            req_to_state=jnp.zeros((max_running_requests + 1,), jnp.int32),
+            state_allocator=SlotAllocator.create(num_state_slots),
+        )
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots, the sink included."""
+        return self.state_allocator.num_slots
+
+
+def alloc_reqs(
+    pool: ReqToTokenPool, count: int | Int[Array, ""], max_count: int
+) -> tuple[ReqToTokenPool, Int[Array, " max_count"], Bool[Array, ""]]:
+    """Allocate ``count`` request rows: ``(pool, req_indices, ok)``, as :func:`alloc`.
+
+    On a :class:`HybridReqToTokenPool` every row also gets a state slot (recorded in
+    ``req_to_state``); ``ok`` only if both allocations succeed, and on failure the pool (both
+    allocators) comes back unchanged and ``req_indices`` is all zeros. New rows are all zeros:
+    :func:`free_reqs` clears the rows it frees.
+    """
+    allocator, rows, ok = alloc(pool.allocator, count, max_count)
+    if not isinstance(pool, HybridReqToTokenPool):
+        return pool.replace(allocator=allocator), rows, ok
+    state_allocator, states, ok_state = alloc(pool.state_allocator, count, max_count)
+    ok = ok & ok_state
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    allocator = pick(allocator, pool.allocator)
+    state_allocator = pick(state_allocator, pool.state_allocator)
+    rows = jnp.where(ok, rows, 0)
+    num_rows = pool.req_to_state.shape[0]
+    req_to_state = pool.req_to_state.at[jnp.where(rows > 0, rows, num_rows)].set(
+        jnp.where(ok, states, 0), mode="drop"
+    )
+    pool = pool.replace(
+        allocator=allocator, state_allocator=state_allocator, req_to_state=req_to_state
+    )
+    return pool, rows, ok
+
+
+def free_reqs(
+    pool: ReqToTokenPool, req_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
+) -> ReqToTokenPool:
+    """Free the request rows ``req_indices[i]`` with ``mask[i]`` true (row 0 is ignored) and
+    clear them to 0; on a :class:`HybridReqToTokenPool` also free their state slots and clear
+    their ``req_to_state``. Token slots are not freed (see the module docstring). Freeing a
+    row that is not in use, or listing a row twice, is a caller bug."""
+    num_rows = pool.req_to_token.shape[0]
+    keep = (req_indices > 0) & (req_indices < num_rows)
+    if mask is not None:
+        keep = keep & mask
+    rows = jnp.where(keep, req_indices, num_rows)  # out of range: dropped
+    pool = pool.replace(
+        allocator=free(pool.allocator, req_indices, keep),
+        req_to_token=pool.req_to_token.at[rows].set(0, mode="drop"),
+    )
+    if isinstance(pool, HybridReqToTokenPool):
+        states = pool.req_to_state[jnp.clip(req_indices, 0, num_rows - 1)]
+        pool = pool.replace(
+            state_allocator=free(pool.state_allocator, states, keep),
+            req_to_state=pool.req_to_state.at[rows].set(0, mode="drop"),
+        )
+    return pool
+
+
+def write_token_slots(
+    pool: ReqToTokenPool,
+    req_indices: Int[Array, " T"],
+    positions: Int[Array, " T"],
+    slots: Int[Array, " T"],
+    mask: Bool[Array, " T"] | None = None,
+) -> ReqToTokenPool:
+    """Record ``req_to_token[req_indices[t], positions[t]] = slots[t]`` for every token with
+    ``mask[t]`` true. Masked-off tokens, tokens of row 0 and out-of-range positions write
+    nothing. Two kept tokens with the same (row, position) is a caller bug (either may win).
+    """
+    num_rows, max_len = pool.req_to_token.shape
+    keep = (req_indices > 0) & (positions >= 0) & (positions < max_len)
+    if mask is not None:
+        keep = keep & mask
+    rows = jnp.where(keep, req_indices, num_rows)
+    table = pool.req_to_token.at[rows, positions].set(slots.astype(jnp.int32), mode="drop")
+    return pool.replace(req_to_token=table)
+
+
+def get_token_slots(
+    pool: ReqToTokenPool, req_indices: Int[Array, " B"], width: int
+) -> Int[Array, "B width"]:
+    """The token slots of the first ``width`` positions of each request: ``[B, width]``
+    (``width`` static, ``<= max_context_len``). Row 0 reads all zeros."""
+    max_len = pool.req_to_token.shape[1]
+    if not isinstance(width, int) or isinstance(width, bool) or not 0 <= width <= max_len:
+        raise ValueError(f"width must be an int in [0, {max_len}], got {width!r}")
+    return pool.req_to_token[req_indices, :width]
+
+
+def get_linear_recurrent_indices(
+    pool: HybridReqToTokenPool, req_indices: Int[Array, " B"]
+) -> Int[Array, " B"]:
+    """The recurrent-state slot of each request row (row 0 and free rows: 0, the sink)."""
+    return pool.req_to_state[req_indices]
+
+
+# --------------------------------------------------------------------------------------------
+# data pools
+# --------------------------------------------------------------------------------------------
+
+
+def _layer_index(kind: str, layer_ids: tuple[int, ...], layer_id: int) -> int:
+    try:
+        return layer_ids.index(layer_id)
+    except ValueError:
+        raise ValueError(
+            f"layer_id {layer_id!r} is not {kind} layer of this pool (layer_ids={layer_ids})"
+        ) from None
+
+
+def _check_layer_ids(layer_ids) -> tuple[int, ...]:
+    layer_ids = tuple(layer_ids)
+    if not layer_ids or any(not isinstance(i, int) or i < 0 for i in layer_ids):
+        raise ValueError(f"layer_ids must be non-empty non-negative ints, got {layer_ids}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer_ids must be distinct, got {layer_ids}")
+    return layer_ids
+
+
+def _set_at(arrays: tuple, i: int, value) -> tuple:
+    return arrays[:i] + (value,) + arrays[i + 1 :]
+
+
+@pytree_dataclass(static=("layer_ids",))
+class MLATokenPool:
+    """The MLA latent KV cache: per MLA layer, ``c_kv [S, r]`` (the compressed KV after its
+    norm) and ``k_pe [S, dr]`` (the RoPE'd shared key) of every token slot. Slot 0 is the sink.
+
+    ``layer_ids`` (static) are the model layer ids of the MLA layers, in order; ``c_kv[i]``
+    belongs to ``layer_ids[i]``.
+    """
+
+    c_kv: tuple[Float[Array, "S r"], ...]
+    k_pe: tuple[Float[Array, "S dr"], ...]
+    layer_ids: tuple[int, ...]
+
+    @classmethod
+    def create(
+        cls,
+        layer_ids,
+        num_slots: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype=jnp.float32,
+    ) -> MLATokenPool:
+        """Zeros for ``num_slots`` token slots (sink included) of every layer in
+        ``layer_ids``."""
+        layer_ids = _check_layer_ids(layer_ids)
+        _check_int("num_slots", num_slots, 2)
+        _check_int("kv_lora_rank", kv_lora_rank, 1)
+        _check_int("qk_rope_head_dim", qk_rope_head_dim, 1)
+        n = len(layer_ids)
+        return cls(
+            c_kv=tuple(jnp.zeros((num_slots, kv_lora_rank), dtype) for _ in range(n)),
+            k_pe=tuple(jnp.zeros((num_slots, qk_rope_head_dim), dtype) for _ in range(n)),
+            layer_ids=layer_ids,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots, the sink included."""
+        return self.c_kv[0].shape[0]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.c_kv[0].shape[1]
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return self.k_pe[0].shape[1]
+
+    @property
+    def dtype(self):
+        return self.c_kv[0].dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot takes over all layers: ``sum (r + dr) * itemsize``."""
+        return sum(
+            c.shape[1] * c.dtype.itemsize + k.shape[1] * k.dtype.itemsize
+            for c, k in zip(self.c_kv, self.k_pe, strict=True)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+def set_mla_kv(
+    pool: MLATokenPool,
+    layer_id: int,
+    slots: Int[Array, " T"],
+    c_kv: Float[Array, "T r"],
+    k_pe: Float[Array, "T dr"],
+) -> MLATokenPool:
+    """Write the latent KV of ``T`` tokens of layer ``layer_id`` at ``slots`` (cast to the pool
+    dtype). Padding tokens carry slot 0 and land in the sink."""
+    i = _layer_index("an MLA", pool.layer_ids, layer_id)
+    if c_kv.shape[1] != pool.kv_lora_rank or k_pe.shape[1] != pool.qk_rope_head_dim:
+        raise ValueError(
+            f"c_kv {c_kv.shape} / k_pe {k_pe.shape} do not match the pool's "
+            f"kv_lora_rank={pool.kv_lora_rank}, qk_rope_head_dim={pool.qk_rope_head_dim}"
+        )
+    new_c = pool.c_kv[i].at[slots].set(c_kv.astype(pool.c_kv[i].dtype))
+    new_k = pool.k_pe[i].at[slots].set(k_pe.astype(pool.k_pe[i].dtype))
+    return pool.replace(c_kv=_set_at(pool.c_kv, i, new_c), k_pe=_set_at(pool.k_pe, i, new_k))
+
+
+def get_mla_kv(
+    pool: MLATokenPool, layer_id: int
+) -> tuple[Float[Array, "S r"], Float[Array, "S dr"]]:
+    """The whole cache of layer ``layer_id``: ``(c_kv [S, r], k_pe [S, dr])``."""
+    i = _layer_index("an MLA", pool.layer_ids, layer_id)
+    return pool.c_kv[i], pool.k_pe[i]
+
+
+@pytree_dataclass(static=("layer_ids",))
+class RecurrentStatePool:
+    """Per KDA layer, the short-conv state ``conv [S, K-1, C]`` (model dtype) and the delta-rule
+    state ``ssm [S, H, Dk, Dv]`` (float32) of every state slot. Slot 0 is the sink.
+
+    ``layer_ids`` (static) are the model layer ids of the KDA layers, in order.
+    """
+
+    conv: tuple[Float[Array, "S Km1 C"], ...]
+    ssm: tuple[Float[Array, "S H Dk Dv"], ...]
+    layer_ids: tuple[int, ...]
+
+    @classmethod
+    def create(
+        cls,
+        layer_ids,
+        num_slots: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype=jnp.float32,
+    ) -> RecurrentStatePool:
+        """Zero states for ``num_slots`` state slots (sink included) of every layer."""
+        layer_ids = _check_layer_ids(layer_ids)
+        _check_int("num_slots", num_slots, 2)
+        _check_int("conv_dim", conv_dim, 1)
+        _check_int("conv_kernel", conv_kernel, 1)
+        _check_int("num_heads", num_heads, 1)
+        _check_int("head_k_dim", head_k_dim, 1)
+        _check_int("head_v_dim", head_v_dim, 1)
+        n = len(layer_ids)
+        conv_shape = (num_slots, conv_kernel - 1, conv_dim)
+        ssm_shape = (num_slots, num_heads, head_k_dim, head_v_dim)
+        return cls(
+            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(n)),
+            ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n)),
+            layer_ids=layer_ids,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        """State slots, the sink included."""
+        return self.ssm[0].shape[0]
+
+    @property
+    def dtype(self):
+        """The conv-state dtype (the SSM state is always float32)."""
+        return self.conv[0].dtype
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Bytes of one state slot over all layers (conv + ssm)."""
+        return sum(x.nbytes // x.shape[0] for x in jax.tree.leaves(self))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+def get_states(
+    pool: RecurrentStatePool, layer_id: int, idx: Int[Array, " B"]
+) -> tuple[Float[Array, "B Km1 C"], Float[Array, "B H Dk Dv"]]:
+    """The states of layer ``layer_id`` at slots ``idx``: ``(conv [B, K-1, C], ssm [B, H, Dk,
+    Dv])``."""
+    i = _layer_index("a KDA", pool.layer_ids, layer_id)
+    return pool.conv[i][idx], pool.ssm[i][idx]
+
+
+def set_states(
+    pool: RecurrentStatePool,
+    layer_id: int,
+    idx: Int[Array, " B"],
+    conv: Float[Array, "B Km1 C"],
+    ssm: Float[Array, "B H Dk Dv"],
+) -> RecurrentStatePool:
+    """Write the states of layer ``layer_id`` at slots ``idx`` (``conv`` cast to the pool dtype,
+    ``ssm`` to float32). Padding entries carry slot 0 and land in the sink."""
+    i = _layer_index("a KDA", pool.layer_ids, layer_id)
+    if conv.shape[1:] != pool.conv[i].shape[1:] or ssm.shape[1:] != pool.ssm[i].shape[1:]:
+        raise ValueError(
+            f"conv {conv.shape} / ssm {ssm.shape} do not match the pool's per-slot shapes "
+            f"{pool.conv[i].shape[1:]} / {pool.ssm[i].shape[1:]}"
+        )
+    new_conv = pool.conv[i].at[idx].set(conv.astype(pool.conv[i].dtype))
+    new_ssm = pool.ssm[i].at[idx].set(ssm.astype(jnp.float32))
+    return pool.replace(conv=_set_at(pool.conv, i, new_conv), ssm=_set_at(pool.ssm, i, new_ssm))
+
+
+def copy_states(
+    pool: RecurrentStatePool, src_idx: Int[Array, " B"], dst_idx: Int[Array, " B"]
+) -> RecurrentStatePool:
+    """Copy every layer's states from slots ``src_idx`` to slots ``dst_idx`` (all sources are
+    read before any write; a ``dst`` of 0 lands in the sink)."""
+    return pool.replace(
+        conv=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.conv),
+        ssm=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.ssm),
+    )
