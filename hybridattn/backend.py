@@ -1,0 +1,576 @@
+"""Attention backends for hybrid models: MLA over a latent pool, KDA over a state pool, and the
+:class:`HybridLinearAttnBackend` that dispatches each layer to one of them.
+
+Data flow of one forward (all of it runs inside one ``jax.jit``)::
+
+    ForwardBatch (tokens, request rows, lengths, output slots, the pools)
+      -> backend.get_forward_metadata(batch)        # HybridLinearAttentionBackendMetadata
+      -> backend = backend.with_forward_metadata(md) # split into the two sub-backends
+      -> each layer: out, batch = backend(layer_id, batch, **inputs)
+         MLA layers write c_kv / k_pe into batch.token_to_kv_pool and attend over it;
+         KDA layers read and write conv + recurrent state in batch.recurrent_state_pool.
+
+Backends hold static configuration (treedef) and the per-forward metadata (arrays); they hold no
+memory. The pools travel in the :class:`ForwardBatch` and come back updated, like SGLang's
+``ForwardBatch.token_to_kv_pool``, but functionally. Padded rows and tokens point at slot 0 of
+every pool (the padding sink), so they never touch a live slot.
+
+Batch layouts (static ``forward_mode``):
+
+* ``EXTEND``: ``T`` packed new tokens of ``B`` requests (request ``b`` owns tokens
+  ``[query_start[b], query_start[b] + extend_seq_lens[b])``; padding tokens at the tail).
+  A request may have a cached prefix (``extend_prefix_lens[b] > 0``). A decode request inside an
+  extend batch is simply a request with one new token: that is a mixed batch.
+* ``DECODE``: one token per request, ``T == B``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from hybridattn._pytree import pytree_dataclass
+from hybridattn.config import KimiLinearConfig
+from hybridattn.ops import kda_chunked, kda_decode, l2norm, short_conv
+from hybridattn.pools import (
+    HybridReqToTokenPool,
+    MLATokenPool,
+    RecurrentStatePool,
+    get_linear_recurrent_indices,
+    get_mla_kv,
+    get_states,
+    get_token_slots,
+    set_mla_kv,
+    set_states,
+)
+
+# Shape aliases used in annotations:
+#   B  requests in the batch (padded rows included)      T  tokens in the batch (padded)
+#   W  page-table width: max keys one request attends   Q  max new tokens of one request
+#   H  attention heads; dn / dr / dv MLA nope / rope / value head dims; r kv_lora_rank
+#   Hk KDA heads; Dk / Dv KDA key / value head dims; Cc conv channels (2 Hk Dk + Hk Dv)
+
+
+class ForwardMode(enum.IntEnum):
+    """What a batch does: ``EXTEND`` (prefill, chunked prefill, mixed) or ``DECODE``."""
+
+    EXTEND = 1
+    DECODE = 2
+
+
+@pytree_dataclass(static=("forward_mode", "kv_width", "max_extend_len"))
+class ForwardBatch:
+    """One forward's inputs and the pools it reads and writes.
+
+    ``kv_width`` (static) is how many token positions of each request the MLA layers attend
+    over (>= every ``seq_lens[b]``); ``max_extend_len`` (static) bounds ``extend_seq_lens``.
+    The host picks both from a few buckets so shapes repeat and nothing recompiles.
+    Before the forward, ``req_to_token[req, prefix:seq_len]`` must hold ``out_cache_loc`` of
+    the request's new tokens (the scheduler writes them when it allocates).
+    """
+
+    input_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    req_pool_indices: Int[Array, " B"]
+    seq_lens: Int[Array, " B"]
+    extend_prefix_lens: Int[Array, " B"]
+    extend_seq_lens: Int[Array, " B"]
+    out_cache_loc: Int[Array, " T"]
+    req_to_token_pool: HybridReqToTokenPool
+    token_to_kv_pool: MLATokenPool
+    recurrent_state_pool: RecurrentStatePool
+    forward_mode: ForwardMode = ForwardMode.EXTEND
+    kv_width: int = 0
+    max_extend_len: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def check_forward_batch(batch: ForwardBatch) -> None:
+    """Host-boundary validation of shapes and static sizes (no device values are read).
+
+    Raises ``ValueError`` naming the field whose shape disagrees."""
+    B, T = batch.batch_size, batch.num_tokens
+    for name in ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens"):
+        shape = getattr(batch, name).shape
+        if shape != (B,):
+            raise ValueError(f"ForwardBatch.{name} has shape {shape}, expected ({B},)")
+    for name in ("positions", "out_cache_loc"):
+        shape = getattr(batch, name).shape
+        if shape != (T,):
+            raise ValueError(f"ForwardBatch.{name} has shape {shape}, expected ({T},)")
+    if batch.forward_mode == ForwardMode.DECODE and T != B:
+        raise ValueError(f"a DECODE batch has one token per request: got {T} tokens, {B} requests")
+    max_ctx = batch.req_to_token_pool.max_context_len
+    if not 1 <= batch.kv_width <= max_ctx:
+        raise ValueError(f"ForwardBatch.kv_width={batch.kv_width} must be in 1..{max_ctx}")
+    if batch.forward_mode == ForwardMode.EXTEND and not 1 <= batch.max_extend_len <= T:
+        raise ValueError(f"ForwardBatch.max_extend_len={batch.max_extend_len} must be in 1..{T}")
+
+
+# --------------------------------------------------------------------------------------------
+# metadata
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass(static=("max_extend_len",))
+class FullAttnMetadata:
+    """MLA metadata: per-request lengths, query offsets, token-slot tables, output slots."""
+
+    seq_lens: Int[Array, " B"]
+    prefix_lens: Int[Array, " B"]
+    extend_lens: Int[Array, " B"]
+    query_start_loc: Int[Array, " Bp1"]
+    page_table: Int[Array, "B W"]
+    out_cache_loc: Int[Array, " T"]
+    max_extend_len: int = 1
+
+
+@pytree_dataclass()
+class LinearAttnMetadata:
+    """KDA metadata: packed sequence offsets, recurrent-state slots, has-initial-state flags.
+
+    ``cu_seqlens`` has ``B + 2`` entries: the ``B`` requests, then one padding sequence that
+    spans the tail padding tokens (its state goes to the sink slot 0)."""
+
+    cu_seqlens: Int[Array, " Bp2"]
+    state_indices: Int[Array, " B"]
+    has_initial_state: Bool[Array, " B"]
+
+
+@pytree_dataclass()
+class HybridLinearAttentionBackendMetadata:
+    """The two sub-backends' metadata, side by side."""
+
+    full_attn_metadata: Any
+    linear_attn_metadata: Any
+
+
+def _query_start(extend_lens):
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(extend_lens, dtype=jnp.int32)])
+
+
+def _layer_id(layer) -> int:
+    layer_id = getattr(layer, "layer_id", layer)
+    if not isinstance(layer_id, int) or isinstance(layer_id, bool):
+        raise TypeError(f"layer must be an int layer id or have .layer_id, got {layer!r}")
+    return layer_id
+
+
+def _masked_softmax(scores, mask):
+    scores = jnp.where(mask, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # fully masked (padding) rows stay finite
+    p = jnp.where(mask, jnp.exp(scores - peak), 0.0)
+    return p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+
+
+# --------------------------------------------------------------------------------------------
+# MLA: full attention over the compressed latent pool
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass(
+    static=("layer_ids", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "kv_lora_rank", "num_token_slots")
+)
+class MLAAttnBackend:
+    """Multi-head latent attention over :class:`MLATokenPool`.
+
+    Per layer the pool keeps ``c_kv [S, r]`` and ``k_pe [S, dr]`` only. Extend decompresses
+    K/V of each request's pages (``k_nope = c_kv W_kc^T``, ``v = c_kv W_vc^T``); decode runs in
+    absorbed form: ``q_nope W_kc`` moves the query into latent space, attention runs against
+    ``c_kv`` directly and ``W_vc`` maps the latent output back per head. Positional rotation
+    (if any) is applied by the model to ``q_pe`` / ``k_pe`` before the call.
+
+    Layer inputs (``T`` tokens): ``q_nope [T, H, dn]``, ``q_pe [T, H, dr]``, ``c_kv [T, r]``
+    (after ``kv_a_layernorm``), ``k_pe [T, dr]``, ``w_kc [H, dn, r]``, ``w_vc [H, dv, r]``
+    (``kv_b_proj.weight`` reshaped to ``[H, dn + dv, r]`` and split). Output ``[T, H, dv]``.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    num_token_slots: int
+    forward_metadata: FullAttnMetadata | None = None
+
+    @classmethod
+    def from_config(cls, config: KimiLinearConfig, num_token_slots: int) -> MLAAttnBackend:
+        return cls(
+            layer_ids=tuple(config.full_attention_layer_ids),
+            num_heads=config.num_attention_heads,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            kv_lora_rank=config.kv_lora_rank,
+            num_token_slots=num_token_slots,
+        )
+
+    @property
+    def scale(self) -> float:
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    def get_forward_metadata(self, batch: ForwardBatch) -> FullAttnMetadata:
+        return FullAttnMetadata(
+            seq_lens=batch.seq_lens.astype(jnp.int32),
+            prefix_lens=batch.extend_prefix_lens.astype(jnp.int32),
+            extend_lens=batch.extend_seq_lens.astype(jnp.int32),
+            query_start_loc=_query_start(batch.extend_seq_lens),
+            page_table=get_token_slots(
+                batch.req_to_token_pool, batch.req_pool_indices, batch.kv_width
+            ),
+            out_cache_loc=batch.out_cache_loc.astype(jnp.int32),
+            max_extend_len=max(1, batch.max_extend_len),
+        )
+
+    def with_forward_metadata(self, md: FullAttnMetadata) -> MLAAttnBackend:
+        return self.replace(forward_metadata=md)
+
+    def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        usable = (self.num_token_slots - 1) // page_size * page_size
+        return usable // max_context_len
+
+    def _md(self) -> FullAttnMetadata:
+        if self.forward_metadata is None:
+            raise ValueError("MLAAttnBackend has no forward metadata: call with_forward_metadata")
+        return self.forward_metadata
+
+    def _check(self, layer_id: int, T: int, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc):
+        if layer_id not in self.layer_ids:
+            raise ValueError(f"layer {layer_id} is not an MLA layer (MLA layers: {self.layer_ids})")
+        H, dn, dr, dv, r = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                            self.v_head_dim, self.kv_lora_rank)
+        want = dict(q_nope=(T, H, dn), q_pe=(T, H, dr), c_kv=(T, r), k_pe=(T, dr),
+                    w_kc=(H, dn, r), w_vc=(H, dv, r))
+        got = dict(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_kc=w_kc, w_vc=w_vc)
+        for name, shape in want.items():
+            if got[name].shape != shape:
+                raise ValueError(f"MLA layer {layer_id}: {name} has shape {got[name].shape}, "
+                                 f"expected {shape}")
+
+    def _write(self, layer_id, batch, c_kv, k_pe):
+        pool = set_mla_kv(batch.token_to_kv_pool, layer_id, self._md().out_cache_loc, c_kv, k_pe)
+        return batch.replace(token_to_kv_pool=pool)
+
+    def _pages(self, layer_id, batch):
+        ckv_all, kpe_all = get_mla_kv(batch.token_to_kv_pool, layer_id)
+        table = self._md().page_table
+        return ckv_all[table].astype(jnp.float32), kpe_all[table].astype(jnp.float32)
+
+    def forward_extend(
+        self, layer, batch: ForwardBatch, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc
+    ) -> tuple[Float[Array, "T H dv"], ForwardBatch]:
+        layer_id = _layer_id(layer)
+        md = self._md()
+        T = q_nope.shape[0]
+        self._check(layer_id, T, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc)
+        batch = self._write(layer_id, batch, c_kv, k_pe)
+        ckv, kpe = self._pages(layer_id, batch)  # [B, W, r], [B, W, dr]
+        f32 = jnp.float32
+        k_nope = jnp.einsum("bwr,hdr->bwhd", ckv, w_kc.astype(f32))
+        v = jnp.einsum("bwr,hdr->bwhd", ckv, w_vc.astype(f32))
+        # Queries of each request in a [B, Q] layout (Q = max_extend_len).
+        Q = md.max_extend_len
+        i = jnp.arange(Q, dtype=jnp.int32)
+        rows = md.query_start_loc[:-1, None] + i[None, :]  # [B, Q]
+        valid = i[None, :] < md.extend_lens[:, None]
+        rows_c = jnp.clip(rows, 0, T - 1)
+        qn, qp = q_nope[rows_c].astype(f32), q_pe[rows_c].astype(f32)  # [B, Q, H, d]
+        scores = jnp.einsum("bqhd,bwhd->bhqw", qn, k_nope) + jnp.einsum(
+            "bqhd,bwd->bhqw", qp, kpe
+        )
+        W = ckv.shape[1]
+        qpos = md.prefix_lens[:, None] + i[None, :]  # [B, Q]
+        kpos = jnp.arange(W, dtype=jnp.int32)
+        mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, :, None]
+        p = _masked_softmax(scores * self.scale, mask[:, None])
+        out = jnp.einsum("bhqw,bwhd->bqhd", p, v)  # [B, Q, H, dv]
+        dest = jnp.where(valid, rows, T)  # invalid rows are dropped
+        packed = jnp.zeros((T,) + out.shape[2:], f32).at[dest].set(out, mode="drop")
+        return packed.astype(q_nope.dtype), batch
+
+    def forward_decode(
+        self, layer, batch: ForwardBatch, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc
+    ) -> tuple[Float[Array, "B H dv"], ForwardBatch]:
+        layer_id = _layer_id(layer)
+        md = self._md()
+        self._check(layer_id, q_nope.shape[0], q_nope, q_pe, c_kv, k_pe, w_kc, w_vc)
+        batch = self._write(layer_id, batch, c_kv, k_pe)
+        ckv, kpe = self._pages(layer_id, batch)  # [B, W, r], [B, W, dr]
+        f32 = jnp.float32
+        q_lat = jnp.einsum("bhd,hdr->bhr", q_nope.astype(f32), w_kc.astype(f32))
+        scores = jnp.einsum("bhr,bwr->bhw", q_lat, ckv) + jnp.einsum(
+            "bhd,bwd->bhw", q_pe.astype(f32), kpe
+        )
+        kpos = jnp.arange(ckv.shape[1], dtype=jnp.int32)
+        mask = kpos[None, None, :] < md.seq_lens[:, None, None]
+        p = _masked_softmax(scores * self.scale, mask)
+        o_lat = jnp.einsum("bhw,bwr->bhr", p, ckv)
+        out = jnp.einsum("bhr,hdr->bhd", o_lat, w_vc.astype(f32))
+        return out.astype(q_nope.dtype), batch
+
+    def __call__(self, layer, batch: ForwardBatch, **inputs):
+        if batch.forward_mode == ForwardMode.DECODE:
+            return self.forward_decode(layer, batch, **inputs)
+        return self.forward_extend(layer, batch, **inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# KDA: linear attention over the recurrent-state pool
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass(
+    static=("layer_ids", "num_heads", "head_k_dim", "head_v_dim", "conv_kernel",
+            "num_state_slots", "chunk_size")
+)
+class KDAAttnBackend:
+    """Kimi Delta Attention over :class:`RecurrentStatePool`.
+
+    Layer inputs (``T`` tokens): the projections ``q, k [T, Hk*Dk]``, ``v [T, Hk*Dv]`` before
+    the short convolution, the conv weights ``q_conv, k_conv, v_conv`` (``[C, 1, K]`` or
+    ``[C, K]``), the log-decay ``g [T, Hk, Dk]`` (:func:`hybridattn.ops.kda_gate`) and
+    ``beta [T, Hk]``. The backend runs the short conv (carrying each request's conv state), the
+    q/k L2 norm and the recurrence (:func:`kda_chunked` over the packed requests on extend,
+    :func:`kda_decode` on decode), reading a request's state from the pool when it has a cached
+    prefix and writing every request's final state back. Output ``[T, Hk, Dv]``.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    num_state_slots: int
+    chunk_size: int = 32
+    forward_metadata: LinearAttnMetadata | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: KimiLinearConfig, num_state_slots: int, chunk_size: int = 32
+    ) -> KDAAttnBackend:
+        return cls(
+            layer_ids=tuple(config.kda_layer_ids),
+            num_heads=config.linear_num_heads,
+            head_k_dim=config.linear_head_dim,
+            head_v_dim=config.linear_head_dim,
+            conv_kernel=config.linear_conv_kernel_dim,
+            num_state_slots=num_state_slots,
+            chunk_size=chunk_size,
+        )
+
+    def get_forward_metadata(self, batch: ForwardBatch) -> LinearAttnMetadata:
+        T = batch.num_tokens
+        qs = _query_start(batch.extend_seq_lens)
+        return LinearAttnMetadata(
+            cu_seqlens=jnp.concatenate([qs, jnp.full((1,), T, jnp.int32)]),
+            state_indices=get_linear_recurrent_indices(
+                batch.req_to_token_pool, batch.req_pool_indices
+            ).astype(jnp.int32),
+            has_initial_state=batch.extend_prefix_lens > 0,
+        )
+
+    def with_forward_metadata(self, md: LinearAttnMetadata) -> KDAAttnBackend:
+        return self.replace(forward_metadata=md)
+
+    def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        del max_context_len, page_size  # the state is the same size at any context length
+        return self.num_state_slots - 1
+
+    def _md(self) -> LinearAttnMetadata:
+        if self.forward_metadata is None:
+            raise ValueError("KDAAttnBackend has no forward metadata: call with_forward_metadata")
+        return self.forward_metadata
+
+    def _prepare(self, layer, T, q, k, v, g, beta, q_conv, k_conv, v_conv):
+        layer_id = _layer_id(layer)
+        if layer_id not in self.layer_ids:
+            raise ValueError(f"layer {layer_id} is not a KDA layer (KDA layers: {self.layer_ids})")
+        H, Dk, Dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        want = dict(q=(T, H * Dk), k=(T, H * Dk), v=(T, H * Dv), g=(T, H, Dk), beta=(T, H))
+        got = dict(q=q, k=k, v=v, g=g, beta=beta)
+        for name, shape in want.items():
+            if got[name].shape != shape:
+                raise ValueError(f"KDA layer {layer_id}: {name} has shape {got[name].shape}, "
+                                 f"expected {shape}")
+        weight = jnp.concatenate([_conv2d(w) for w in (q_conv, k_conv, v_conv)], axis=0)
+        if weight.shape != (2 * H * Dk + H * Dv, self.conv_kernel):
+            raise ValueError(f"KDA layer {layer_id}: conv weights give {weight.shape}, expected "
+                             f"{(2 * H * Dk + H * Dv, self.conv_kernel)}")
+        return layer_id, weight, jnp.concatenate([q, k, v], axis=-1)
+
+    def _split_heads(self, y, T):
+        H, Dk, Dv = self.num_heads, self.head_k_dim, self.head_v_dim
+        qc, kc, vc = jnp.split(y, [H * Dk, 2 * H * Dk], axis=-1)
+        q = l2norm(qc.reshape(T, H, Dk).astype(jnp.float32))
+        k = l2norm(kc.reshape(T, H, Dk).astype(jnp.float32))
+        return q, k, vc.reshape(T, H, Dv)
+
+    def forward_extend(
+        self, layer, batch: ForwardBatch, *, q, k, v, g, beta, q_conv, k_conv, v_conv
+    ) -> tuple[Float[Array, "T Hk Dv"], ForwardBatch]:
+        md = self._md()
+        T = q.shape[0]
+        layer_id, weight, mixed = self._prepare(layer, T, q, k, v, g, beta, q_conv, k_conv, v_conv)
+        pool = batch.recurrent_state_pool
+        idx = jnp.concatenate([md.state_indices, jnp.zeros((1,), jnp.int32)])  # + padding seq
+        has = jnp.concatenate([md.has_initial_state, jnp.zeros((1,), bool)])
+        conv0, ssm0 = get_states(pool, layer_id, idx)
+        conv0 = jnp.where(has[:, None, None], conv0, 0).astype(mixed.dtype)
+        ssm0 = jnp.where(has[:, None, None, None], ssm0, 0.0)
+        y, conv1 = short_conv(mixed[None], weight, conv0, cu_seqlens=md.cu_seqlens)
+        qh, kh, vh = self._split_heads(y[0], T)
+        o, ssm1 = kda_chunked(
+            qh[None], kh[None], vh[None], g[None], beta[None], initial_state=ssm0,
+            chunk_size=self.chunk_size, cu_seqlens=md.cu_seqlens,
+        )
+        pool = set_states(pool, layer_id, idx, conv1, ssm1)
+        return o[0].astype(v.dtype), batch.replace(recurrent_state_pool=pool)
+
+    def forward_decode(
+        self, layer, batch: ForwardBatch, *, q, k, v, g, beta, q_conv, k_conv, v_conv
+    ) -> tuple[Float[Array, "B Hk Dv"], ForwardBatch]:
+        md = self._md()
+        B = q.shape[0]
+        layer_id, weight, mixed = self._prepare(layer, B, q, k, v, g, beta, q_conv, k_conv, v_conv)
+        pool = batch.recurrent_state_pool
+        conv0, ssm0 = get_states(pool, layer_id, md.state_indices)
+        has = md.has_initial_state
+        conv0 = jnp.where(has[:, None, None], conv0, 0).astype(mixed.dtype)
+        ssm0 = jnp.where(has[:, None, None, None], ssm0, 0.0)
+        y, conv1 = short_conv(mixed[:, None], weight, conv0)  # [B, 1, Cc]
+        qh, kh, vh = self._split_heads(y[:, 0], B)
+        o, ssm1 = kda_decode(qh, kh, vh, g, beta, ssm0)
+        pool = set_states(pool, layer_id, md.state_indices, conv1, ssm1)
+        return o.astype(v.dtype), batch.replace(recurrent_state_pool=pool)
+
+    def __call__(self, layer, batch: ForwardBatch, **inputs):
+        if batch.forward_mode == ForwardMode.DECODE:
+            return self.forward_decode(layer, batch, **inputs)
+        return self.forward_extend(layer, batch, **inputs)
+
+
+def _conv2d(w):
+    """Conv weight as ``[C, K]`` (accepts the checkpoint's ``[C, 1, K]``)."""
+    return w[:, 0, :] if w.ndim == 3 else w
+
+
+# --------------------------------------------------------------------------------------------
+# the hybrid dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass(static=("full_attn_layers",))
+class HybridLinearAttnBackend:
+    """One backend for a hybrid model: layers in ``full_attn_layers`` go to the full-attention
+    sub-backend, every other layer to the linear one.
+
+    Holds no memory and no metadata of its own: :meth:`with_forward_metadata` splits the
+    aggregated metadata into the sub-backends, and :attr:`forward_metadata` reads it back.
+    """
+
+    full_attn_backend: Any
+    linear_attn_backend: Any
+    full_attn_layers: tuple[int, ...]
+
+    def __post_init__(self):
+        layers = tuple(self.full_attn_layers)
+        if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"full_attn_layers must be distinct layer ids >= 0, got {layers}")
+        object.__setattr__(self, "full_attn_layers", tuple(sorted(layers)))
+
+    def get_forward_metadata(self, batch) -> HybridLinearAttentionBackendMetadata:
+        return HybridLinearAttentionBackendMetadata(
+            full_attn_metadata=self.full_attn_backend.get_forward_metadata(batch),
+            linear_attn_metadata=self.linear_attn_backend.get_forward_metadata(batch),
+        )
+
+    def with_forward_metadata(
+        self, md: HybridLinearAttentionBackendMetadata
+    ) -> HybridLinearAttnBackend:
+        if not isinstance(md, HybridLinearAttentionBackendMetadata):
+            raise TypeError(f"expected HybridLinearAttentionBackendMetadata, got {type(md)}")
+        return self.replace(
+            full_attn_backend=self.full_attn_backend.with_forward_metadata(md.full_attn_metadata),
+            linear_attn_backend=self.linear_attn_backend.with_forward_metadata(
+                md.linear_attn_metadata
+            ),
+        )
+
+    @property
+    def forward_metadata(self) -> HybridLinearAttentionBackendMetadata:
+        return HybridLinearAttentionBackendMetadata(
+            full_attn_metadata=self.full_attn_backend.forward_metadata,
+            linear_attn_metadata=self.linear_attn_backend.forward_metadata,
+        )
+
+    def backend_for(self, layer):
+        """The sub-backend that serves ``layer`` (an int id or an object with ``.layer_id``)."""
+        layer_id = _layer_id(layer)
+        if layer_id < 0:
+            raise ValueError(f"layer id must be >= 0, got {layer_id}")
+        if layer_id in self.full_attn_layers:
+            return self.full_attn_backend
+        return self.linear_attn_backend
+
+    def _dispatch(self, method: str, layer, batch, **inputs):
+        sub = self.backend_for(layer)
+        out, batch = getattr(sub, method)(layer, batch, **inputs)
+        return out, batch
+
+    def forward_extend(self, layer, batch, **inputs):
+        return self._dispatch("forward_extend", layer, batch, **inputs)
+
+    def forward_decode(self, layer, batch, **inputs):
+        return self._dispatch("forward_decode", layer, batch, **inputs)
+
+    def __call__(self, layer, batch, **inputs):
+        """``out, batch = backend(layer, batch, **inputs)``: dispatch on layer and mode."""
+        if batch.forward_mode == ForwardMode.DECODE:
+            return self.forward_decode(layer, batch, **inputs)
+        return self.forward_extend(layer, batch, **inputs)
+
+    def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        return min(
+            self.full_attn_backend.get_max_running_requests(max_context_len, page_size),
+            self.linear_attn_backend.get_max_running_requests(max_context_len, page_size),
+        )
+
+
+def attn_backend_wrapper(
+    config: KimiLinearConfig,
+    full_attn_backend,
+    linear_attn_backend=None,
+    *,
+    num_state_slots: int | None = None,
+    chunk_size: int = 32,
+):
+    """Wrap ``full_attn_backend`` for a hybrid model, as SGLang's model runner does.
+
+    Returns a :class:`HybridLinearAttnBackend` whose linear sub-backend is
+    ``linear_attn_backend`` or a :class:`KDAAttnBackend` built from ``config`` (then
+    ``num_state_slots`` is required) and whose ``full_attn_layers`` come from ``config``.
+    A config without KDA layers gets ``full_attn_backend`` back unchanged.
+    """
+    if not config.kda_layer_ids:
+        return full_attn_backend
+    if linear_attn_backend is None:
+        if num_state_slots is None:
+            raise ValueError("attn_backend_wrapper needs num_state_slots to build a KDAAttnBackend")
+        linear_attn_backend = KDAAttnBackend.from_config(config, num_state_slots, chunk_size)
+    return HybridLinearAttnBackend(
+        full_attn_backend, linear_attn_backend, tuple(config.full_attention_layer_ids)
+    )
+

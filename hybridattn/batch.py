@@ -1,0 +1,102 @@
+"""Host side: assemble a padded :class:`~hybridattn.backend.ForwardBatch` from requests.
+
+The scheduler decides, per request, which request row it owns, how many of its tokens are
+already in the pools (``prefix_len``), which new tokens run now and which token slots they go
+to (already written into ``req_to_token``). :func:`make_forward_batch` packs that into arrays
+padded to the given buckets: padded requests use request row 0 and padded tokens slot 0, the
+padding sinks of every pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from hybridattn.backend import ForwardBatch, ForwardMode, check_forward_batch
+
+
+class BatchRequest(NamedTuple):
+    """One request's share of a forward: row ``req_index``, ``prefix_len`` tokens already
+    cached, new ``token_ids`` at positions ``prefix_len ...`` stored in ``slots``."""
+
+    req_index: int
+    prefix_len: int
+    token_ids: Sequence[int]
+    slots: Sequence[int]
+
+
+def make_forward_batch(
+    requests: Sequence[BatchRequest],
+    *,
+    req_to_token_pool,
+    token_to_kv_pool,
+    recurrent_state_pool,
+    forward_mode: ForwardMode = ForwardMode.EXTEND,
+    num_requests: int | None = None,
+    num_tokens: int | None = None,
+    kv_width: int | None = None,
+    max_extend_len: int | None = None,
+) -> ForwardBatch:
+    """Pack ``requests`` into a :class:`ForwardBatch` padded to ``num_requests`` rows and
+    ``num_tokens`` tokens (defaults: exactly what the requests need). ``kv_width`` defaults
+    to the longest request, ``max_extend_len`` to the most new tokens of one request.
+
+    Raises ``ValueError`` naming the request when its tokens and slots disagree, a decode
+    request has more than one token, or the batch does not fit the buckets.
+    """
+    if not requests:
+        raise ValueError("make_forward_batch needs at least one request")
+    for n, r in enumerate(requests):
+        if len(r.token_ids) != len(r.slots):
+            raise ValueError(f"request {n} (row {r.req_index}): {len(r.token_ids)} tokens but "
+                             f"{len(r.slots)} slots")
+        if r.req_index <= 0:
+            raise ValueError(f"request {n}: req_index={r.req_index} (row 0 is the padding row)")
+        if r.prefix_len < 0:
+            raise ValueError(f"request {n}: prefix_len={r.prefix_len} < 0")
+        if forward_mode == ForwardMode.DECODE and len(r.token_ids) != 1:
+            raise ValueError(f"request {n}: a DECODE batch takes one token per request, got "
+                             f"{len(r.token_ids)}")
+    lens = np.array([len(r.token_ids) for r in requests], np.int32)
+    prefix = np.array([r.prefix_len for r in requests], np.int32)
+    B = num_requests or len(requests)
+    T = num_tokens or (B if forward_mode == ForwardMode.DECODE else int(lens.sum()))
+    if B < len(requests):
+        raise ValueError(f"num_requests={B} < {len(requests)} requests")
+    if T < lens.sum():
+        raise ValueError(f"num_tokens={T} < {int(lens.sum())} new tokens")
+
+    def pad(values, size, fill=0):
+        out = np.full(size, fill, np.int32)
+        out[: len(values)] = values
+        return jnp.asarray(out)
+
+    ids = np.concatenate([np.asarray(r.token_ids, np.int32) for r in requests])
+    slots = np.concatenate([np.asarray(r.slots, np.int32) for r in requests])
+    pos = np.concatenate([r.prefix_len + np.arange(len(r.token_ids), dtype=np.int32)
+                          for r in requests])
+    seq = prefix + lens
+    batch = ForwardBatch(
+        input_ids=pad(ids, T),
+        positions=pad(pos, T),
+        req_pool_indices=pad([r.req_index for r in requests], B),
+        seq_lens=pad(seq, B),
+        extend_prefix_lens=pad(prefix, B),
+        extend_seq_lens=pad(lens, B),
+        out_cache_loc=pad(slots, T),
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=token_to_kv_pool,
+        recurrent_state_pool=recurrent_state_pool,
+        forward_mode=forward_mode,
+        kv_width=kv_width or int(seq.max()),
+        max_extend_len=max_extend_len or int(lens.max()),
+    )
+    check_forward_batch(batch)
+    if batch.kv_width < seq.max():
+        raise ValueError(f"kv_width={batch.kv_width} < longest request ({int(seq.max())} tokens)")
+    if batch.max_extend_len < lens.max():
+        raise ValueError(f"max_extend_len={batch.max_extend_len} < {int(lens.max())} new tokens")
+    return batch
