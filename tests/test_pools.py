@@ -3,7 +3,6 @@ state machines), the data pools by round trips, everything under jit."""
 
 from __future__ import annotations
 
-import doctest
 import functools
 
 import jax
@@ -254,9 +253,6 @@ TestHybridPoolFewRows = make_hybrid_machine(max_reqs=3, num_state_slots=6).TestC
 # allocator and request-table units
 # --------------------------------------------------------------------------------------------
 
-
-def test_doctests():
-    assert doctest.testmod(pools).failed == 0
 
 
 def test_fresh_allocator_hands_out_increasing_ids():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from hybridattn.config import KimiLinearConfig
@@ -66,11 +67,11 @@ def init_params(config: KimiLinearConfig, key: jax.Array, dtype=jnp.float32) -> 
     (64, 1, 4)
     """
     _check_supported(config)
-    keys = iter(jax.random.split(key, 64 * (config.num_hidden_layers + 2)))
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     D = config.hidden_size
 
     def w(*shape, std=0.02):
-        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+        return jnp.asarray(std * rng.standard_normal(shape, np.float32), dtype)
 
     def lin(out_dim, in_dim):
         return {"weight": w(out_dim, in_dim)}
@@ -91,8 +92,7 @@ def init_params(config: KimiLinearConfig, key: jax.Array, dtype=jnp.float32) -> 
                 "q_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
                 "k_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
                 "v_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
-                "A_log": jnp.log(jax.random.uniform(next(keys), (1, 1, H, 1), jnp.float32,
-                                                    1.0, 16.0)),
+                "A_log": jnp.log(jnp.asarray(rng.uniform(1.0, 16.0, (1, 1, H, 1)), jnp.float32)),
                 "dt_bias": w(H * Dk, std=0.5).astype(jnp.float32),
                 "f_a_proj": lin(Dk, D), "f_b_proj": lin(H * Dk, Dk),
                 "g_a_proj": lin(Dk, D), "g_b_proj": lin(H * Dk, Dk),
