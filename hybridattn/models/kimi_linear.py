@@ -141,6 +141,38 @@ def init_params(config: KimiLinearConfig, key: jax.Array, dtype=jnp.float32) -> 
     return params
 
 
+def to_checkpoint(params: Params) -> dict[str, np.ndarray]:
+    """Flat ``{tensor name: array}`` in the released checkpoint's naming (what a
+    ``model.safetensors`` holds): routed experts unstacked to ``experts.N.w1.weight``.
+
+    >>> p = init_params(KimiLinearConfig.tiny(), jax.random.key(0))
+    >>> ckpt = to_checkpoint(p)
+    >>> ckpt["model.layers.3.self_attn.kv_b_proj.weight"].shape
+    (128, 32)
+    >>> "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ckpt
+    True
+    """
+    flat: dict[str, np.ndarray] = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            if prefix.endswith("block_sparse_moe.experts"):
+                for name, stacked in node.items():
+                    for e in range(stacked.shape[0]):
+                        flat[f"{prefix}.{e}.{name}.weight"] = np.asarray(stacked[e])
+                return
+            for key, child in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, child)
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(f"{prefix}.{i}", child)
+        else:
+            flat[prefix] = np.asarray(node)
+
+    walk("", params)
+    return flat
+
+
 # --------------------------------------------------------------------------------------------
 # MLPs
 # --------------------------------------------------------------------------------------------
@@ -282,5 +314,5 @@ def compute_logits(params: Params, config: KimiLinearConfig, hidden) -> Float[Ar
 
 __all__ = [
     "compute_logits", "dense_mlp", "decoder_layer", "forward", "init_params", "kda_attention",
-    "mla_attention", "mla_split", "rms_norm", "route", "sparse_moe",
+    "mla_attention", "mla_split", "rms_norm", "route", "sparse_moe", "to_checkpoint",
 ]
