@@ -54,6 +54,7 @@ __all__ = [
     "alloc",
     "alloc_or_raise",
     "alloc_reqs",
+    "alloc_reqs_or_raise",
     "copy_states",
     "free",
     "free_reqs",
@@ -307,6 +308,35 @@ def alloc_reqs(
         allocator=allocator, state_allocator=state_allocator, req_to_state=req_to_state
     )
     return pool, rows, ok
+
+
+_alloc_reqs_jit = jax.jit(alloc_reqs, static_argnames="max_count")
+
+
+def alloc_reqs_or_raise(pool: ReqToTokenPool, count: int) -> tuple[ReqToTokenPool, np.ndarray]:
+    """Host helper: :func:`alloc_reqs` exactly ``count`` request rows (and, on a hybrid pool,
+    state slots), returned as a numpy array, or raise :class:`PoolExhausted` with the numbers
+    of whichever ran out; the pool is left unchanged when it raises.
+
+    >>> pool, rows = alloc_reqs_or_raise(HybridReqToTokenPool.create(2, 8), 2)
+    >>> rows.tolist()
+    [1, 2]
+    >>> alloc_reqs_or_raise(pool, 1)
+    Traceback (most recent call last):
+    ...
+    hybridattn.pools.PoolExhausted: request rows exhausted: need 1, 0 free of 2
+    """
+    _check_int("count", count, 0)
+    bucket = 1 << max(count - 1, 0).bit_length()  # one compile per power of two
+    new, rows, ok = _alloc_reqs_jit(pool, jnp.asarray(count, jnp.int32), max_count=bucket)
+    if not bool(ok):
+        short = [(what, a) for what, a in (("request rows", pool.allocator),
+                 ("recurrent-state slots", getattr(pool, "state_allocator", None)))
+                 if a is not None and int(a.num_free) < count]
+        what, a = short[0]
+        raise PoolExhausted(f"{what} exhausted: need {count}, {int(a.num_free)} free "
+                            f"of {a.capacity}")
+    return new, np.asarray(rows)[:count]
 
 
 def free_reqs(

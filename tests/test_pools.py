@@ -474,3 +474,19 @@ def test_layer_ids_are_static():
     out = jax.eval_shape(lambda p: pools.set_mla_kv(p, 5, jnp.zeros(2, jnp.int32),
                                                     jnp.ones((2, 2)), jnp.ones((2, 2))), b)
     assert out.layer_ids == (1, 5)
+
+
+def test_alloc_reqs_or_raise_names_what_ran_out():
+    P = pools
+    pool = P.HybridReqToTokenPool.create(4, 8, num_state_slots=3)
+    pool, rows = P.alloc_reqs_or_raise(pool, 2)
+    assert rows.tolist() == [1, 2]
+    before = jax.tree.map(np.asarray, pool)
+    msg = "recurrent-state slots exhausted: need 1, 0 free of 2"
+    with pytest.raises(P.PoolExhausted, match=msg):
+        P.alloc_reqs_or_raise(pool, 1)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, pool))
+    plain = P.ReqToTokenPool.create(1, 8)
+    plain, _ = P.alloc_reqs_or_raise(plain, 1)
+    with pytest.raises(P.PoolExhausted, match="request rows exhausted: need 2, 0 free of 1"):
+        P.alloc_reqs_or_raise(plain, 2)
