@@ -29,7 +29,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from hybridattn._pytree import pytree_dataclass
@@ -61,30 +63,37 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2
 
 
-@pytree_dataclass(static=("forward_mode", "kv_width", "max_extend_len"))
+@pytree_dataclass(static=("kv_width", "max_extend_len", "forward_mode"))
 class ForwardBatch:
     """One forward's inputs and the pools it reads and writes.
 
-    ``kv_width`` (static) is how many token positions of each request the MLA layers attend
-    over (>= every ``seq_lens[b]``); ``max_extend_len`` (static) bounds ``extend_seq_lens``.
-    The host picks both from a few buckets so shapes repeat and nothing recompiles.
-    Before the forward, ``req_to_token[req, prefix:seq_len]`` must hold ``out_cache_loc`` of
-    the request's new tokens (the scheduler writes them when it allocates).
+    Request ``b`` has ``seq_lens[b]`` tokens after this forward, the last
+    ``extend_seq_lens[b]`` of them new (so ``seq_lens - extend_seq_lens`` are already in the
+    pools: its cached prefix). ``kv_width`` (static) is how many token positions of each
+    request the MLA layers attend over (>= every ``seq_lens[b]``); ``max_extend_len``
+    (static) bounds ``extend_seq_lens``. The host picks both from a few buckets so shapes
+    repeat and nothing recompiles. Before the forward, ``req_to_token[req, prefix:seq_len]``
+    must hold ``out_cache_loc`` of the request's new tokens (the scheduler writes them when it
+    allocates).
     """
 
     input_ids: Int[Array, " T"]
     positions: Int[Array, " T"]
     req_pool_indices: Int[Array, " B"]
     seq_lens: Int[Array, " B"]
-    extend_prefix_lens: Int[Array, " B"]
     extend_seq_lens: Int[Array, " B"]
     out_cache_loc: Int[Array, " T"]
     req_to_token_pool: HybridReqToTokenPool
     token_to_kv_pool: MLATokenPool
     recurrent_state_pool: RecurrentStatePool
+    kv_width: int
+    max_extend_len: int
     forward_mode: ForwardMode = ForwardMode.EXTEND
-    kv_width: int = 0
-    max_extend_len: int = 0
+
+    @property
+    def prefix_lens(self) -> Int[Array, " B"]:
+        """Tokens of each request already in the pools before this forward."""
+        return self.seq_lens - self.extend_seq_lens
 
     @property
     def batch_size(self) -> int:
@@ -96,11 +105,12 @@ class ForwardBatch:
 
 
 def check_forward_batch(batch: ForwardBatch) -> None:
-    """Host-boundary validation of shapes and static sizes (no device values are read).
+    """Host-boundary validation; raises ``ValueError`` naming the field or value.
 
-    Raises ``ValueError`` naming the field whose shape disagrees."""
+    Shapes, static sizes and pool sizes are checked always (also while tracing, at no cost);
+    lengths are checked too when the batch holds concrete arrays (outside ``jax.jit``)."""
     B, T = batch.batch_size, batch.num_tokens
-    for name in ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens"):
+    for name in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
         shape = getattr(batch, name).shape
         if shape != (B,):
             raise ValueError(f"ForwardBatch.{name} has shape {shape}, expected ({B},)")
@@ -113,8 +123,31 @@ def check_forward_batch(batch: ForwardBatch) -> None:
     max_ctx = batch.req_to_token_pool.max_context_len
     if not 1 <= batch.kv_width <= max_ctx:
         raise ValueError(f"ForwardBatch.kv_width={batch.kv_width} must be in 1..{max_ctx}")
-    if batch.forward_mode == ForwardMode.EXTEND and not 1 <= batch.max_extend_len <= T:
+    if not 1 <= batch.max_extend_len <= T:
         raise ValueError(f"ForwardBatch.max_extend_len={batch.max_extend_len} must be in 1..{T}")
+    states = batch.recurrent_state_pool.num_slots
+    if batch.req_to_token_pool.num_state_slots > states:
+        raise ValueError(f"the request pool hands out {batch.req_to_token_pool.num_state_slots} "
+                         f"state slots but the recurrent-state pool has {states}")
+    arrays = (batch.seq_lens, batch.extend_seq_lens)
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+        return
+    seq, ext = np.asarray(batch.seq_lens), np.asarray(batch.extend_seq_lens)
+    checks = (
+        ("extend_seq_lens < 0", ext < 0),
+        ("extend_seq_lens > seq_lens", ext > seq),
+        (f"seq_lens > kv_width={batch.kv_width}", seq > batch.kv_width),
+        (f"extend_seq_lens > max_extend_len={batch.max_extend_len}", ext > batch.max_extend_len),
+    )
+    for what, bad in checks:
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"request {b} of the batch: {what} (seq_lens={int(seq[b])}, "
+                             f"extend_seq_lens={int(ext[b])})")
+    if ext.sum() > T:
+        raise ValueError(f"the batch has {int(ext.sum())} new tokens but T={T}")
+    if batch.forward_mode == ForwardMode.DECODE and (ext[seq > 0] != 1).any():
+        raise ValueError("a DECODE batch has exactly one new token per live request")
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,16 +256,20 @@ class MLAAttnBackend:
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
     def get_forward_metadata(self, batch: ForwardBatch) -> FullAttnMetadata:
+        check_forward_batch(batch)
+        if batch.token_to_kv_pool.num_slots != self.num_token_slots:
+            raise ValueError(f"MLAAttnBackend has num_token_slots={self.num_token_slots} but "
+                             f"the MLA pool has {batch.token_to_kv_pool.num_slots} slots")
         return FullAttnMetadata(
             seq_lens=batch.seq_lens.astype(jnp.int32),
-            prefix_lens=batch.extend_prefix_lens.astype(jnp.int32),
+            prefix_lens=batch.prefix_lens.astype(jnp.int32),
             extend_lens=batch.extend_seq_lens.astype(jnp.int32),
             query_start_loc=_query_start(batch.extend_seq_lens),
             page_table=get_token_slots(
                 batch.req_to_token_pool, batch.req_pool_indices, batch.kv_width
             ),
             out_cache_loc=batch.out_cache_loc.astype(jnp.int32),
-            max_extend_len=max(1, batch.max_extend_len),
+            max_extend_len=batch.max_extend_len,
         )
 
     def with_forward_metadata(self, md: FullAttnMetadata) -> MLAAttnBackend:
@@ -265,9 +302,14 @@ class MLAAttnBackend:
         return batch.replace(token_to_kv_pool=pool)
 
     def _pages(self, layer_id, batch):
+        """Each request's latents ``[B, W, r]`` and rope keys ``[B, W, dr]`` (f32), zero past
+        ``seq_lens`` so stale or sink slots never reach the output (not even as 0 * inf)."""
+        md = self._md()
         ckv_all, kpe_all = get_mla_kv(batch.token_to_kv_pool, layer_id)
-        table = self._md().page_table
-        return ckv_all[table].astype(jnp.float32), kpe_all[table].astype(jnp.float32)
+        live = (jnp.arange(md.page_table.shape[1]) < md.seq_lens[:, None])[..., None]
+        ckv = jnp.where(live, ckv_all[md.page_table].astype(jnp.float32), 0.0)
+        kpe = jnp.where(live, kpe_all[md.page_table].astype(jnp.float32), 0.0)
+        return ckv, kpe
 
     def forward_extend(
         self, layer, batch: ForwardBatch, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc
@@ -372,6 +414,11 @@ class KDAAttnBackend:
         )
 
     def get_forward_metadata(self, batch: ForwardBatch) -> LinearAttnMetadata:
+        check_forward_batch(batch)
+        if batch.recurrent_state_pool.num_slots != self.num_state_slots:
+            raise ValueError(f"KDAAttnBackend has num_state_slots={self.num_state_slots} but "
+                             f"the recurrent-state pool has "
+                             f"{batch.recurrent_state_pool.num_slots} slots")
         T = batch.num_tokens
         qs = _query_start(batch.extend_seq_lens)
         return LinearAttnMetadata(
@@ -379,7 +426,7 @@ class KDAAttnBackend:
             state_indices=get_linear_recurrent_indices(
                 batch.req_to_token_pool, batch.req_pool_indices
             ).astype(jnp.int32),
-            has_initial_state=batch.extend_prefix_lens > 0,
+            has_initial_state=batch.prefix_lens > 0,
         )
 
     def with_forward_metadata(self, md: LinearAttnMetadata) -> KDAAttnBackend:
@@ -405,10 +452,13 @@ class KDAAttnBackend:
             if got[name].shape != shape:
                 raise ValueError(f"KDA layer {layer_id}: {name} has shape {got[name].shape}, "
                                  f"expected {shape}")
-        weight = jnp.concatenate([_conv2d(w) for w in (q_conv, k_conv, v_conv)], axis=0)
-        if weight.shape != (2 * H * Dk + H * Dv, self.conv_kernel):
-            raise ValueError(f"KDA layer {layer_id}: conv weights give {weight.shape}, expected "
-                             f"{(2 * H * Dk + H * Dv, self.conv_kernel)}")
+        convs = dict(q_conv=(q_conv, H * Dk), k_conv=(k_conv, H * Dk), v_conv=(v_conv, H * Dv))
+        for name, (w, channels) in convs.items():
+            if _conv2d(w).shape != (channels, self.conv_kernel):
+                raise ValueError(f"KDA layer {layer_id}: {name} has shape {w.shape}, expected "
+                                 f"{(channels, 1, self.conv_kernel)} or "
+                                 f"{(channels, self.conv_kernel)}")
+        weight = jnp.concatenate([_conv2d(w) for w, _ in convs.values()], axis=0)
         return layer_id, weight, jnp.concatenate([q, k, v], axis=-1)
 
     def _split_heads(self, y, T):

@@ -44,22 +44,44 @@ def make_forward_batch(
     ``num_tokens`` tokens (defaults: exactly what the requests need). ``kv_width`` defaults
     to the longest request, ``max_extend_len`` to the most new tokens of one request.
 
-    Raises ``ValueError`` naming the request when its tokens and slots disagree, a decode
-    request has more than one token, or the batch does not fit the buckets.
+    Raises ``ValueError`` naming the request when its tokens and slots disagree, a row or slot
+    is out of range, the padding sink or used twice, a decode request has more than one
+    token, a request outgrows ``max_context_len``, or the batch does not fit the buckets.
     """
     if not requests:
         raise ValueError("make_forward_batch needs at least one request")
+    rows = req_to_token_pool.req_to_token.shape[0]
+    num_slots = token_to_kv_pool.num_slots
+    seen_rows: dict[int, int] = {}
+    seen_slots: dict[int, int] = {}
     for n, r in enumerate(requests):
         if len(r.token_ids) != len(r.slots):
             raise ValueError(f"request {n} (row {r.req_index}): {len(r.token_ids)} tokens but "
                              f"{len(r.slots)} slots")
-        if r.req_index <= 0:
-            raise ValueError(f"request {n}: req_index={r.req_index} (row 0 is the padding row)")
+        if not 1 <= r.req_index < rows:
+            raise ValueError(f"request {n}: req_index={r.req_index} must be in 1..{rows - 1} "
+                             "(row 0 is the padding row)")
+        if r.req_index in seen_rows:
+            raise ValueError(f"request {n}: row {r.req_index} is also request "
+                             f"{seen_rows[r.req_index]} of this batch")
+        seen_rows[r.req_index] = n
         if r.prefix_len < 0:
             raise ValueError(f"request {n}: prefix_len={r.prefix_len} < 0")
+        end = r.prefix_len + len(r.token_ids)
+        if end > req_to_token_pool.max_context_len:
+            raise ValueError(f"request {n}: {end} tokens exceed max_context_len="
+                             f"{req_to_token_pool.max_context_len}")
         if forward_mode == ForwardMode.DECODE and len(r.token_ids) != 1:
             raise ValueError(f"request {n}: a DECODE batch takes one token per request, got "
                              f"{len(r.token_ids)}")
+        for slot in r.slots:
+            if not 1 <= int(slot) < num_slots:
+                raise ValueError(f"request {n}: token slot {int(slot)} must be in "
+                                 f"1..{num_slots - 1} (slot 0 is the padding sink)")
+            if int(slot) in seen_slots:
+                raise ValueError(f"request {n}: token slot {int(slot)} is also used by request "
+                                 f"{seen_slots[int(slot)]} of this batch")
+            seen_slots[int(slot)] = n
     lens = np.array([len(r.token_ids) for r in requests], np.int32)
     prefix = np.array([r.prefix_len for r in requests], np.int32)
     B = num_requests or len(requests)
@@ -84,7 +106,6 @@ def make_forward_batch(
         positions=pad(pos, T),
         req_pool_indices=pad([r.req_index for r in requests], B),
         seq_lens=pad(seq, B),
-        extend_prefix_lens=pad(prefix, B),
         extend_seq_lens=pad(lens, B),
         out_cache_loc=pad(slots, T),
         req_to_token_pool=req_to_token_pool,
@@ -95,8 +116,4 @@ def make_forward_batch(
         max_extend_len=max_extend_len or int(lens.max()),
     )
     check_forward_batch(batch)
-    if batch.kv_width < seq.max():
-        raise ValueError(f"kv_width={batch.kv_width} < longest request ({int(seq.max())} tokens)")
-    if batch.max_extend_len < lens.max():
-        raise ValueError(f"max_extend_len={batch.max_extend_len} < {int(lens.max())} new tokens")
     return batch

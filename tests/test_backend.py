@@ -24,6 +24,7 @@ from hybridattn.backend import (
     attn_backend_wrapper,
     check_forward_batch,
 )
+from hybridattn.batch import BatchRequest, make_forward_batch
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
 from hybridattn.ops import kda_recurrent, l2norm, short_conv
@@ -454,3 +455,52 @@ def test_bad_batch_shapes_and_layer_ids_give_clear_errors(tiny):
         be(cfg.full_attention_layer_ids[0], fb, **mla_in)
     with pytest.raises(ValueError, match="no forward metadata"):
         h.backend(cfg.full_attention_layer_ids[0], fb, **mla_in)
+
+
+def test_make_forward_batch_rejects_rows_and_slots_that_would_corrupt_other_requests():
+    cfg = KimiLinearConfig.tiny()
+    h = Harness(cfg, max_reqs=4, max_ctx=16, slots=32)
+    pools = dict(req_to_token_pool=h.req, token_to_kv_pool=h.kv, recurrent_state_pool=h.st)
+
+    def build(*reqs, **kw):
+        return make_forward_batch([BatchRequest(*r) for r in reqs], **pools, **kw)
+
+    build((1, 0, [5, 6], [3, 4]))  # fine
+    for reqs, match in [
+        (((1, 0, [5], [0]),), r"token slot 0 must be in 1\.\.31"),
+        (((1, 0, [5], [-3]),), r"token slot -3 must be in 1\.\.31"),
+        (((1, 0, [5], [32]),), r"token slot 32 must be in 1\.\.31"),
+        (((5, 0, [5], [3]),), r"req_index=5 must be in 1\.\.4"),
+        (((0, 0, [5], [3]),), "row 0 is the padding row"),
+        (((1, 0, [5], [3]), (1, 0, [6], [4])), "row 1 is also request 0"),
+        (((1, 0, [5], [3]), (2, 0, [6], [3])), "token slot 3 is also used by request 0"),
+        (((1, 15, [5, 6], [3, 4]),), "17 tokens exceed max_context_len=16"),
+        (((1, 0, [5, 6], [3]),), "2 tokens but 1 slots"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            build(*reqs)
+    with pytest.raises(ValueError, match="DECODE batch takes one token"):
+        build((1, 3, [5, 6], [3, 4]), forward_mode=DECODE)
+    with pytest.raises(ValueError, match=r"extend_seq_lens > max_extend_len=1"):
+        build((1, 0, [5, 6], [3, 4]), max_extend_len=1)
+    with pytest.raises(ValueError, match=r"seq_lens > kv_width=4"):
+        build((1, 3, [5, 6], [3, 4]), kv_width=4)
+
+
+def test_backends_check_their_pools_and_batches_at_the_boundary():
+    cfg = KimiLinearConfig.tiny()
+    h = Harness(cfg)
+    fb = h.batch([("a", [1, 2, 3])], B=2, T=4)
+    with pytest.raises(ValueError, match=r"request 0 of the batch: extend_seq_lens > seq_lens"):
+        h.backend.get_forward_metadata(fb.replace(extend_seq_lens=jnp.array([4, 0], jnp.int32)))
+    with pytest.raises(ValueError, match="5 new tokens but T=4"):
+        h.backend.get_forward_metadata(
+            fb.replace(seq_lens=jnp.array([3, 2], jnp.int32),
+                       extend_seq_lens=jnp.array([3, 2], jnp.int32)))
+    wrong_mla = attn_backend_wrapper(cfg, MLAAttnBackend.from_config(cfg, 99),
+                                     num_state_slots=h.req.num_state_slots)
+    with pytest.raises(ValueError, match="num_token_slots=99 but the MLA pool has 256 slots"):
+        wrong_mla.get_forward_metadata(fb)
+    wrong_kda = attn_backend_wrapper(cfg, MLAAttnBackend.from_config(cfg, 256), num_state_slots=3)
+    with pytest.raises(ValueError, match="num_state_slots=3 but the recurrent-state pool has 7"):
+        wrong_kda.get_forward_metadata(fb)

@@ -40,6 +40,11 @@ def _linear(x, p):
 
 
 def _check_supported(config: KimiLinearConfig) -> None:
+    if config.q_lora_rank is not None:
+        raise ValueError(
+            f"KimiLinearConfig.q_lora_rank={config.q_lora_rank} (low-rank query projection) is "
+            "not supported: Kimi-Linear's MLA uses a plain q_proj"
+        )
     if not config.mla_use_nope:
         raise ValueError(
             "KimiLinearConfig.mla_use_nope=False (rotary MLA) is not supported: Kimi-Linear's "
