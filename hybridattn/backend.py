@@ -19,8 +19,8 @@ Batch layouts (static ``forward_mode``):
 
 * ``EXTEND``: ``T`` packed new tokens of ``B`` requests (request ``b`` owns tokens
   ``[query_start[b], query_start[b] + extend_seq_lens[b])``; padding tokens at the tail).
-  A request may have a cached prefix (``extend_prefix_lens[b] > 0``). A decode request inside an
-  extend batch is simply a request with one new token: that is a mixed batch.
+  A request may have a cached prefix (``seq_lens[b] - extend_seq_lens[b] > 0``). A decode
+  request inside an extend batch is simply a request with one new token: a mixed batch.
 * ``DECODE``: one token per request, ``T == B``.
 """
 
