@@ -477,9 +477,7 @@ class KDAAttnBackend:
         pool = batch.recurrent_state_pool
         idx = jnp.concatenate([md.state_indices, jnp.zeros((1,), jnp.int32)])  # + padding seq
         has = jnp.concatenate([md.has_initial_state, jnp.zeros((1,), bool)])
-        conv0, ssm0 = get_states(pool, layer_id, idx)
-        conv0 = jnp.where(has[:, None, None], conv0, 0).astype(mixed.dtype)
-        ssm0 = jnp.where(has[:, None, None, None], ssm0, 0.0)
+        conv0, ssm0 = _initial_states(pool, layer_id, idx, has, mixed.dtype)
         y, conv1 = short_conv(mixed[None], weight, conv0, cu_seqlens=md.cu_seqlens)
         qh, kh, vh = self._split_heads(y[0], T)
         o, ssm1 = kda_chunked(
@@ -496,10 +494,8 @@ class KDAAttnBackend:
         B = q.shape[0]
         layer_id, weight, mixed = self._prepare(layer, B, q, k, v, g, beta, q_conv, k_conv, v_conv)
         pool = batch.recurrent_state_pool
-        conv0, ssm0 = get_states(pool, layer_id, md.state_indices)
-        has = md.has_initial_state
-        conv0 = jnp.where(has[:, None, None], conv0, 0).astype(mixed.dtype)
-        ssm0 = jnp.where(has[:, None, None, None], ssm0, 0.0)
+        conv0, ssm0 = _initial_states(pool, layer_id, md.state_indices, md.has_initial_state,
+                                      mixed.dtype)
         y, conv1 = short_conv(mixed[:, None], weight, conv0)  # [B, 1, Cc]
         qh, kh, vh = self._split_heads(y[:, 0], B)
         o, ssm1 = kda_decode(qh, kh, vh, g, beta, ssm0)
@@ -510,6 +506,14 @@ class KDAAttnBackend:
         if batch.forward_mode == ForwardMode.DECODE:
             return self.forward_decode(layer, batch, **inputs)
         return self.forward_extend(layer, batch, **inputs)
+
+
+def _initial_states(pool, layer_id, idx, has, dtype):
+    """Conv and recurrent states of slots ``idx``; zeros where ``has`` is false (a request
+    without a cached prefix starts from zero, whatever its slot held before)."""
+    conv, ssm = get_states(pool, layer_id, idx)
+    conv = jnp.where(has[:, None, None], conv, 0).astype(dtype)
+    return conv, jnp.where(has[:, None, None, None], ssm, 0.0)
 
 
 def _conv2d(w):
