@@ -78,7 +78,6 @@ class ForwardBatch:
     """
 
     input_ids: Int[Array, " T"]
-    positions: Int[Array, " T"]
     req_pool_indices: Int[Array, " B"]
     seq_lens: Int[Array, " B"]
     extend_seq_lens: Int[Array, " B"]
@@ -114,10 +113,9 @@ def check_forward_batch(batch: ForwardBatch) -> None:
         shape = getattr(batch, name).shape
         if shape != (B,):
             raise ValueError(f"ForwardBatch.{name} has shape {shape}, expected ({B},)")
-    for name in ("positions", "out_cache_loc"):
-        shape = getattr(batch, name).shape
-        if shape != (T,):
-            raise ValueError(f"ForwardBatch.{name} has shape {shape}, expected ({T},)")
+    if batch.out_cache_loc.shape != (T,):
+        raise ValueError(f"ForwardBatch.out_cache_loc has shape {batch.out_cache_loc.shape}, "
+                         f"expected ({T},)")
     if batch.forward_mode == ForwardMode.DECODE and T != B:
         raise ValueError(f"a DECODE batch has one token per request: got {T} tokens, {B} requests")
     max_ctx = batch.req_to_token_pool.max_context_len
@@ -580,9 +578,7 @@ class HybridLinearAttnBackend:
         return self.linear_attn_backend
 
     def _dispatch(self, method: str, layer, batch, **inputs):
-        sub = self.backend_for(layer)
-        out, batch = getattr(sub, method)(layer, batch, **inputs)
-        return out, batch
+        return getattr(self.backend_for(layer), method)(layer, batch, **inputs)
 
     def forward_extend(self, layer, batch, **inputs):
         return self._dispatch("forward_extend", layer, batch, **inputs)

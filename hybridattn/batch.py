@@ -98,12 +98,9 @@ def make_forward_batch(
 
     ids = np.concatenate([np.asarray(r.token_ids, np.int32) for r in requests])
     slots = np.concatenate([np.asarray(r.slots, np.int32) for r in requests])
-    pos = np.concatenate([r.prefix_len + np.arange(len(r.token_ids), dtype=np.int32)
-                          for r in requests])
     seq = prefix + lens
     batch = ForwardBatch(
         input_ids=pad(ids, T),
-        positions=pad(pos, T),
         req_pool_indices=pad([r.req_index for r in requests], B),
         seq_lens=pad(seq, B),
         extend_seq_lens=pad(lens, B),
