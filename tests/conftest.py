@@ -5,6 +5,9 @@
 - jaxtyping + beartype runtime shape checks are switched on for ``hybridattn`` by the
   ``--jaxtyping-packages`` option in ``pyproject.toml``.
 - tests marked ``mlx`` are skipped where mlx / mlx-lm are not installed.
+- XLA compilations are cached on disk (``.jax_cache/``, git-ignored), so the xdist workers
+  share what one of them compiled (the serving step takes seconds to compile) and a rerun
+  compiles nothing. ``HYBRIDATTN_JAX_CACHE=0`` switches it off.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+if os.environ.get("HYBRIDATTN_JAX_CACHE", "1") != "0":
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 settings.register_profile(
     "dev",

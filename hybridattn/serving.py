@@ -1,0 +1,465 @@
+"""The pure serving step: ``new_state, out = step(params, state, batch)``.
+
+:class:`ServingState` holds everything a serving step reads and writes: the request table
+(with each request's recurrent-state slot), the token-slot allocator, the MLA latent pool, the
+KDA state pool, the attention backend (static configuration only) and the base RNG key.
+:class:`ModelWorkerBatch` is one step's work, padded to shape buckets: extend requests (a whole
+prompt, a chunk of one, or a chunk after a cached prefix) and decode requests (one token each)
+mixed in one ``EXTEND`` batch, or a ``DECODE`` batch of one token per request.
+
+One step, all inside one ``jax.jit``::
+
+    allocate a token slot for every new token  (a failed allocation: ok=False, state unchanged)
+    req_to_token[row, position] = slot
+    ForwardBatch -> backend metadata -> model forward (MLA latents and KDA states written)
+    last-token logits of every request -> per-request sampling -> next tokens
+
+Sampling is per request (greedy when ``temperature == 0``, else temperature, top-k, top-p) and
+reproducible: the key of a request's token at position ``p`` is derived from the state's base
+key, the request's ``seed`` and ``p`` only, so a request samples the same tokens whichever
+other requests share its batches. The step composes: ``decode_steps`` runs N decode steps in a
+``lax.scan``, and users may write their own loops around :func:`step` the same way.
+
+Request rows are allocated by the host (:func:`hybridattn.pools.alloc_reqs_or_raise` on
+``state.req_to_token_pool``) and released with :func:`release`, which frees a request's token
+slots, its row and its state slot together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from hybridattn._pytree import pytree_dataclass
+from hybridattn.backend import (
+    ForwardBatch,
+    ForwardMode,
+    HybridLinearAttnBackend,
+    MLAAttnBackend,
+    attn_backend_wrapper,
+)
+from hybridattn.config import KimiLinearConfig
+from hybridattn.models import kimi_linear
+from hybridattn.pools import (
+    HybridReqToTokenPool,
+    MLATokenPool,
+    RecurrentStatePool,
+    SlotAllocator,
+    alloc,
+    free,
+    free_reqs,
+    write_token_slots,
+)
+
+# Shape aliases:
+#   B  requests in the batch (padding rows use request row 0)
+#   T  tokens in the batch (new tokens packed request by request, padding at the tail)
+#   V  vocabulary
+
+
+@pytree_dataclass(static=("config",))
+class ServingState:
+    """Everything a serving step reads and writes (all arrays) plus the static model config.
+
+    ``backend`` carries only static configuration between steps (its per-forward metadata is
+    ``None``); it is a child so that a state is self-contained: ``step(params, state, batch)``.
+    """
+
+    req_to_token_pool: HybridReqToTokenPool
+    token_allocator: SlotAllocator
+    token_to_kv_pool: MLATokenPool
+    recurrent_state_pool: RecurrentStatePool
+    backend: HybridLinearAttnBackend | MLAAttnBackend
+    rng: jax.Array
+    config: KimiLinearConfig
+
+    @classmethod
+    def create(
+        cls,
+        config: KimiLinearConfig,
+        *,
+        max_running_requests: int,
+        max_context_len: int,
+        num_token_slots: int,
+        dtype=jnp.float32,
+        chunk_size: int = 32,
+        seed: int = 0,
+    ) -> ServingState:
+        """Empty pools for ``max_running_requests`` requests of up to ``max_context_len``
+        tokens sharing ``num_token_slots`` MLA token slots (slot 0, the sink, included).
+        ``dtype`` is the MLA latent and conv-state dtype (KDA states are always float32);
+        ``chunk_size`` is the KDA prefill chunk."""
+        kimi_linear._check_supported(config)
+        req = HybridReqToTokenPool.create(max_running_requests, max_context_len)
+        H, Dk = config.linear_num_heads, config.linear_head_dim
+        kv = MLATokenPool.create(
+            config.full_attention_layer_ids, num_token_slots, config.kv_lora_rank,
+            config.qk_rope_head_dim, dtype=dtype,
+        )
+        states = RecurrentStatePool.create(
+            config.kda_layer_ids, req.num_state_slots, 3 * H * Dk, config.linear_conv_kernel_dim,
+            H, Dk, Dk, dtype=dtype,
+        )
+        backend = attn_backend_wrapper(
+            config, MLAAttnBackend.from_config(config, num_token_slots),
+            num_state_slots=req.num_state_slots, chunk_size=chunk_size,
+        )
+        return cls(
+            req_to_token_pool=req,
+            token_allocator=SlotAllocator.create(num_token_slots),
+            token_to_kv_pool=kv,
+            recurrent_state_pool=states,
+            backend=backend,
+            rng=jax.random.key(seed),
+            config=config,
+        )
+
+    @property
+    def max_running_requests(self) -> int:
+        """Requests that fit at once: request rows, state slots and, for full contexts, the
+        token slots (``backend.get_max_running_requests``), whichever is least."""
+        return min(self.req_to_token_pool.max_running_requests,
+                   self.backend.get_max_running_requests(self.max_context_len))
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_token_pool.max_context_len
+
+
+@pytree_dataclass(static=("forward_mode", "kv_width", "max_extend_len"))
+class ModelWorkerBatch:
+    """One step's work, padded to shape buckets.
+
+    Request ``b`` (row ``req_pool_indices[b]``; 0 for padding) runs ``extend_seq_lens[b]`` new
+    tokens and has ``seq_lens[b]`` tokens in the pools after the step; its new tokens are
+    packed in ``input_ids`` after those of the requests before it. Sampling settings are per
+    request: ``temperatures`` (0 = greedy), ``top_ks`` (0 = off), ``top_ps`` (1 = off),
+    ``seeds``. Static: ``forward_mode``, ``kv_width`` (positions MLA attends over, >= every
+    ``seq_lens``) and ``max_extend_len`` (>= every ``extend_seq_lens``).
+    """
+
+    input_ids: Int[Array, " T"]
+    req_pool_indices: Int[Array, " B"]
+    seq_lens: Int[Array, " B"]
+    extend_seq_lens: Int[Array, " B"]
+    temperatures: Float[Array, " B"]
+    top_ks: Int[Array, " B"]
+    top_ps: Float[Array, " B"]
+    seeds: Int[Array, " B"]
+    kv_width: int
+    max_extend_len: int
+    forward_mode: ForwardMode = ForwardMode.EXTEND
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def next_decode(self, next_token_ids: Int[Array, " B"]) -> ModelWorkerBatch:
+        """The DECODE batch that feeds each live request's sampled token back (pure; use it in
+        a ``lax.scan``). ``kv_width`` must already leave room for the new token."""
+        live = self.req_pool_indices > 0
+        return self.replace(
+            input_ids=jnp.where(live, next_token_ids, 0).astype(jnp.int32),
+            seq_lens=jnp.where(live, self.seq_lens + 1, 0).astype(jnp.int32),
+            extend_seq_lens=live.astype(jnp.int32),
+            forward_mode=ForwardMode.DECODE,
+            max_extend_len=1,
+        )
+
+
+class SamplingParams(NamedTuple):
+    """Per-request sampling: greedy when ``temperature == 0``; ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off; ``seed`` picks the request's random stream."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if int(self.seed) != self.seed or not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31)")
+
+
+class WorkItem(NamedTuple):
+    """One request's share of a step: row ``req_index`` with ``prefix_len`` tokens already in
+    the pools runs ``token_ids`` now."""
+
+    req_index: int
+    prefix_len: int
+    token_ids: Sequence[int]
+    sampling: SamplingParams = SamplingParams()
+
+
+def make_worker_batch(
+    items: Sequence[WorkItem],
+    *,
+    vocab_size: int,
+    max_context_len: int,
+    forward_mode: ForwardMode = ForwardMode.EXTEND,
+    num_requests: int | None = None,
+    num_tokens: int | None = None,
+    kv_width: int | None = None,
+    max_extend_len: int | None = None,
+) -> ModelWorkerBatch:
+    """Host side: pack ``items`` into a :class:`ModelWorkerBatch` padded to ``num_requests``
+    rows and ``num_tokens`` tokens (defaults: exactly what the items need; ``kv_width`` and
+    ``max_extend_len`` default to the longest request and the most new tokens).
+
+    Raises ``ValueError`` naming the item for an empty token list, a token id outside the
+    vocabulary, a bad row, a row used twice, a request outgrowing ``max_context_len``, more
+    than one token per request in a DECODE batch, bad sampling settings, or a batch that does
+    not fit its buckets.
+    """
+    if not items:
+        raise ValueError("make_worker_batch needs at least one request")
+    seen: set[int] = set()
+    for n, it in enumerate(items):
+        ids = np.asarray(it.token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"request {n} (row {it.req_index}): token_ids must be a non-empty "
+                             f"list of ints, got shape {ids.shape}")
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            raise ValueError(f"request {n} (row {it.req_index}): token id {int(ids[bad][0])} "
+                             f"is outside the vocabulary [0, {vocab_size})")
+        if it.req_index < 1:
+            raise ValueError(f"request {n}: req_index={it.req_index} must be >= 1 (row 0 is the "
+                             "padding row)")
+        if it.req_index in seen:
+            raise ValueError(f"request {n}: row {it.req_index} appears twice in the batch")
+        seen.add(it.req_index)
+        if it.prefix_len < 0:
+            raise ValueError(f"request {n}: prefix_len={it.prefix_len} < 0")
+        if it.prefix_len + ids.size > max_context_len:
+            raise ValueError(f"request {n}: {it.prefix_len + ids.size} tokens exceed "
+                             f"max_context_len={max_context_len}")
+        if forward_mode == ForwardMode.DECODE and ids.size != 1:
+            raise ValueError(f"request {n}: a DECODE batch takes one token per request, got "
+                             f"{ids.size}")
+        SamplingParams(*it.sampling).check()
+    lens = np.array([len(it.token_ids) for it in items], np.int32)
+    seq = lens + np.array([it.prefix_len for it in items], np.int32)
+    B = num_requests or len(items)
+    T = num_tokens or (B if forward_mode == ForwardMode.DECODE else int(lens.sum()))
+    W = kv_width or int(seq.max())
+    Q = max_extend_len or int(lens.max())
+    if B < len(items):
+        raise ValueError(f"num_requests={B} < {len(items)} requests")
+    if T < lens.sum():
+        raise ValueError(f"num_tokens={T} < {int(lens.sum())} new tokens")
+    if forward_mode == ForwardMode.DECODE and T != B:
+        raise ValueError(f"a DECODE batch has num_tokens == num_requests, got {T} and {B}")
+    if not seq.max() <= W <= max_context_len:
+        raise ValueError(f"kv_width={W} must be in {int(seq.max())}..{max_context_len}")
+    if not lens.max() <= Q <= T:
+        raise ValueError(f"max_extend_len={Q} must be in {int(lens.max())}..{T}")
+
+    def pad(values, size, dtype=np.int32, fill=0):
+        out = np.full(size, fill, dtype)
+        out[: len(values)] = values
+        return jnp.asarray(out)
+
+    sp = [SamplingParams(*it.sampling) for it in items]
+    return ModelWorkerBatch(
+        input_ids=pad(np.concatenate([np.asarray(it.token_ids) for it in items]), T),
+        req_pool_indices=pad([it.req_index for it in items], B),
+        seq_lens=pad(seq, B),
+        extend_seq_lens=pad(lens, B),
+        temperatures=pad([s.temperature for s in sp], B, np.float32),
+        top_ks=pad([s.top_k for s in sp], B),
+        top_ps=pad([s.top_p for s in sp], B, np.float32, 1.0),
+        seeds=pad([s.seed for s in sp], B),
+        kv_width=W,
+        max_extend_len=Q,
+        forward_mode=forward_mode,
+    )
+
+
+class StepOutput(NamedTuple):
+    """What a step returns besides the new state: per request the sampled next token and the
+    last new token's logits (float32), and ``ok`` (False: the token slots ran out, nothing ran
+    and the state came back unchanged)."""
+
+    next_token_ids: Int[Array, " B"]
+    logits: Float[Array, "B V"]
+    ok: Bool[Array, ""]
+
+
+# --------------------------------------------------------------------------------------------
+# sampling
+# --------------------------------------------------------------------------------------------
+
+
+def sample(
+    logits: Float[Array, "B V"],
+    temperatures: Float[Array, " B"],
+    top_ks: Int[Array, " B"],
+    top_ps: Float[Array, " B"],
+    keys: jax.Array,
+) -> Int[Array, " B"]:
+    """Per-row sampling: argmax where ``temperature == 0``; otherwise a draw from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens (0: all)
+    and to the smallest set of most likely tokens whose probability reaches ``top_p``.
+
+    >>> logits = jnp.array([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    >>> keys = jax.random.split(jax.random.key(0), 2)
+    >>> sample(logits, jnp.array([0.0, 1.0]), jnp.array([0, 1]), jnp.ones(2), keys).tolist()
+    [1, 1]
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    V = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)
+    scaled = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperatures, 1e-6)[:, None]
+    rank = jnp.arange(V)[None]
+    keep = (top_ks[:, None] <= 0) | (rank < top_ks[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]  # rank 0 always kept
+    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
+    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperatures > 0, drawn, greedy)
+
+
+def request_keys(base: jax.Array, seeds: Int[Array, " B"], positions: Int[Array, " B"]):
+    """The sampling key of each request's token at ``positions``: a function of the base key,
+    the request's seed and the position only."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(base, s), p))(
+        seeds, positions
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the step
+# --------------------------------------------------------------------------------------------
+
+
+def _token_layout(batch: ModelWorkerBatch):
+    """Per token: ``(request index in the batch, position in its request, is live)``."""
+    T = batch.num_tokens
+    ext = batch.extend_seq_lens
+    ends = jnp.cumsum(ext)
+    t = jnp.arange(T, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, batch.batch_size - 1)
+    live = t < ends[-1]
+    start = ends[b] - ext[b]
+    pos = batch.seq_lens[b] - ext[b] + (t - start)
+    return b, pos.astype(jnp.int32), live
+
+
+def step(params, state: ServingState, batch: ModelWorkerBatch):
+    """One serving step: ``(new_state, StepOutput)``. Pure; jit it with the state donated.
+
+    Allocates a token slot for every new token and records it in ``req_to_token``; runs the
+    model through the hybrid backend (MLA latents and KDA states written to the pools);
+    samples each request's next token from its last new token's logits. If the token slots run
+    out, ``ok`` is False, no token runs and the state comes back unchanged.
+    """
+    cfg = state.config
+    T = batch.num_tokens
+    n_new = jnp.sum(batch.extend_seq_lens)
+    allocator, slots, ok = alloc(state.token_allocator, n_new, max_count=T)
+
+    def run(_):
+        b, pos, live = _token_layout(batch)
+        rows = jnp.where(live, batch.req_pool_indices[b], 0)
+        req_pool = write_token_slots(state.req_to_token_pool, rows, pos, slots, live)
+        fb = ForwardBatch(
+            input_ids=batch.input_ids,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            extend_seq_lens=batch.extend_seq_lens,
+            out_cache_loc=slots,
+            req_to_token_pool=req_pool,
+            token_to_kv_pool=state.token_to_kv_pool,
+            recurrent_state_pool=state.recurrent_state_pool,
+            kv_width=batch.kv_width,
+            max_extend_len=batch.max_extend_len,
+            forward_mode=batch.forward_mode,
+        )
+        backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
+        hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
+        last = jnp.clip(jnp.cumsum(batch.extend_seq_lens) - 1, 0, T - 1)
+        logits = kimi_linear.compute_logits(params, cfg, hidden[last])
+        keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
+        tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
+        tokens = jnp.where(batch.extend_seq_lens > 0, tokens, 0)
+        new = state.replace(
+            req_to_token_pool=fb.req_to_token_pool,
+            token_allocator=allocator,
+            token_to_kv_pool=fb.token_to_kv_pool,
+            recurrent_state_pool=fb.recurrent_state_pool,
+        )
+        return new, StepOutput(tokens, logits, ok)
+
+    def skip(_):
+        out_shape = jax.eval_shape(run, None)[1]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+        return state, zeros._replace(ok=ok)
+
+    return jax.lax.cond(ok, run, skip, None)
+
+
+def decode_steps(params, state: ServingState, batch: ModelWorkerBatch, num_steps: int):
+    """``num_steps`` greedy-or-sampled decode steps in one ``lax.scan``, starting from a
+    DECODE ``batch`` whose ``input_ids`` are each request's next token and whose ``kv_width``
+    has room for ``num_steps`` more tokens. Returns ``(state, tokens [num_steps, B], ok)``;
+    ``tokens[i]`` is what step ``i`` sampled, ``ok`` is False if any step ran out of slots
+    (that step and the later ones changed nothing)."""
+
+    def body(carry, _):
+        state, batch, ok = carry
+        new_state, out = step(params, state, batch)
+        ok = ok & out.ok
+        return (new_state, batch.next_decode(out.next_token_ids), ok), out.next_token_ids
+
+    (state, _, ok), tokens = jax.lax.scan(body, (state, batch, jnp.bool_(True)), None,
+                                          length=num_steps)
+    return state, tokens, ok
+
+
+def release(
+    state: ServingState, req_pool_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
+) -> ServingState:
+    """Free finished requests: every token slot recorded in their rows of ``req_to_token``,
+    their rows and their recurrent-state slots. Row 0 is ignored. Pure."""
+    pool = state.req_to_token_pool
+    rows = jnp.clip(req_pool_indices, 0, pool.req_to_token.shape[0] - 1)
+    keep = req_pool_indices > 0
+    if mask is not None:
+        keep = keep & mask
+    slots = pool.req_to_token[rows]  # [B, L]; unused positions hold 0, which free ignores
+    allocator = free(state.token_allocator, slots.reshape(-1),
+                     jnp.repeat(keep, slots.shape[1]))
+    return state.replace(token_allocator=allocator,
+                         req_to_token_pool=free_reqs(pool, req_pool_indices, keep))
+
+
+__all__ = [
+    "ModelWorkerBatch",
+    "SamplingParams",
+    "ServingState",
+    "StepOutput",
+    "WorkItem",
+    "decode_steps",
+    "make_worker_batch",
+    "release",
+    "request_keys",
+    "sample",
+    "step",
+]
