@@ -324,16 +324,33 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    V = logits.shape[-1]
-    order = jnp.argsort(-logits, axis=-1)
-    scaled = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperatures, 1e-6)[:, None]
-    rank = jnp.arange(V)[None]
-    keep = (top_ks[:, None] <= 0) | (rank < top_ks[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]  # rank 0 always kept
-    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
-    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperatures > 0, drawn, greedy)
+    temps = jnp.maximum(temperatures, 1e-6)[:, None]
+
+    def filtered(_):  # top-k / top-p need the logits sorted
+        B, V = logits.shape
+        order = jnp.argsort(-logits, axis=-1)
+        scaled = jnp.take_along_axis(logits, order, axis=-1) / temps
+        rank = jnp.arange(V)[None]
+        keep = (top_ks[:, None] <= 0) | (rank < top_ks[:, None])
+        probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]  # rank 0 always kept
+        # back to vocabulary order, so that a row without filters draws exactly as plain()
+        keep = jnp.zeros_like(keep).at[jnp.arange(B)[:, None], order].set(keep)
+        masked = jnp.where(keep, logits / temps, -jnp.inf)
+        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+    def plain(_):  # temperature only: no sort
+        return jax.vmap(jax.random.categorical)(keys, logits / temps).astype(jnp.int32)
+
+    sampling = temperatures > 0
+    needs_sort = jnp.any(sampling & ((top_ks > 0) | (top_ps < 1)))
+    drawn = jax.lax.cond(
+        jnp.any(sampling),
+        lambda _: jax.lax.cond(needs_sort, filtered, plain, None),
+        lambda _: greedy,
+        None,
+    )
+    return jnp.where(sampling, drawn, greedy)
 
 
 def request_keys(base: jax.Array, seeds: Int[Array, " B"], positions: Int[Array, " B"]):
@@ -374,45 +391,40 @@ def step(params, state: ServingState, batch: ModelWorkerBatch):
     T = batch.num_tokens
     n_new = jnp.sum(batch.extend_seq_lens)
     allocator, slots, ok = alloc(state.token_allocator, n_new, max_count=T)
-
-    def run(_):
-        b, pos, live = _token_layout(batch)
-        rows = jnp.where(live, batch.req_pool_indices[b], 0)
-        req_pool = write_token_slots(state.req_to_token_pool, rows, pos, slots, live)
-        fb = ForwardBatch(
-            input_ids=batch.input_ids,
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
-            extend_seq_lens=batch.extend_seq_lens,
-            out_cache_loc=slots,
-            req_to_token_pool=req_pool,
-            token_to_kv_pool=state.token_to_kv_pool,
-            recurrent_state_pool=state.recurrent_state_pool,
-            kv_width=batch.kv_width,
-            max_extend_len=batch.max_extend_len,
-            forward_mode=batch.forward_mode,
-        )
-        backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
-        hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
-        last = jnp.clip(jnp.cumsum(batch.extend_seq_lens) - 1, 0, T - 1)
-        logits = kimi_linear.compute_logits(params, cfg, hidden[last])
-        keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
-        tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
-        tokens = jnp.where(batch.extend_seq_lens > 0, tokens, 0)
-        new = state.replace(
-            req_to_token_pool=fb.req_to_token_pool,
-            token_allocator=allocator,
-            token_to_kv_pool=fb.token_to_kv_pool,
-            recurrent_state_pool=fb.recurrent_state_pool,
-        )
-        return new, StepOutput(tokens, logits, ok)
-
-    def skip(_):
-        out_shape = jax.eval_shape(run, None)[1]
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-        return state, zeros._replace(ok=ok)
-
-    return jax.lax.cond(ok, run, skip, None)
+    # A failed allocation turns every request into padding: row 0, state slot 0, token slot 0
+    # (the sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
+    req_rows = jnp.where(ok, batch.req_pool_indices, 0)
+    b, pos, live = _token_layout(batch)
+    live = live & ok
+    req_pool = write_token_slots(state.req_to_token_pool, jnp.where(live, req_rows[b], 0), pos,
+                                 slots, live)
+    fb = ForwardBatch(
+        input_ids=batch.input_ids,
+        req_pool_indices=req_rows,
+        seq_lens=batch.seq_lens,
+        extend_seq_lens=batch.extend_seq_lens,
+        out_cache_loc=slots,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=state.token_to_kv_pool,
+        recurrent_state_pool=state.recurrent_state_pool,
+        kv_width=batch.kv_width,
+        max_extend_len=batch.max_extend_len,
+        forward_mode=batch.forward_mode,
+    )
+    backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
+    hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
+    last = jnp.clip(jnp.cumsum(batch.extend_seq_lens) - 1, 0, T - 1)
+    logits = kimi_linear.compute_logits(params, cfg, hidden[last])
+    keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
+    tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
+    tokens = jnp.where(ok & (batch.extend_seq_lens > 0), tokens, 0)
+    new = state.replace(
+        req_to_token_pool=fb.req_to_token_pool,
+        token_allocator=allocator,
+        token_to_kv_pool=fb.token_to_kv_pool,
+        recurrent_state_pool=fb.recurrent_state_pool,
+    )
+    return new, StepOutput(tokens, logits, ok)
 
 
 def decode_steps(params, state: ServingState, batch: ModelWorkerBatch, num_steps: int):
