@@ -20,6 +20,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda
+	$(PY) -m hybridattn.bench serve
 
 lint: $(STAMP)
 	$(PY) -m ruff check hybridattn mlxcache tests

@@ -1,6 +1,7 @@
 """Benchmarks: ours and an independent anchor side by side, in one run.
 
     python -m hybridattn.bench kda [--json] [--quick]
+    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
 
 ``kda``: for ``B=1, H=4, Dk=Dv=128`` and ``T`` in ``{1024, 4096, 16384}``, tokens/s of
 ``kda_chunked`` (chunk sizes 32 and 64), ``kda_recurrent`` and mlx-lm's
@@ -8,6 +9,13 @@
 inputs (gates included on both sides); decode step time for ``B`` in ``{1, 32}``; compile
 times apart; achieved GFLOP/s of the chunked form and its fraction of this machine's f32 matmul
 peak, measured in the same run.
+
+``serve``: prefill and decode tokens/s of :class:`hybridattn.Engine` at batch 1, 8 and 32 on a
+small Kimi-Linear (random weights, f32, CPU) against mlx-lm's ``kimi_linear`` on the same
+weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.generate`` when
+torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
+and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
+of weights and state a step must read, over this machine's measured bandwidth).
 
 Timings are the best of several rounds after a warm-up, each round visiting every contender in
 turn, so a noisy neighbour slows all of them alike; read the ratios.
@@ -250,6 +258,132 @@ def _print_kda(res: dict) -> None:
         print(f"{d['B']:>4} | {d['ours_ms']:12.3f} | {mlx_ms} | {d['ours_compile_s']:.2f}")
 
 
+# --------------------------------------------------------------------------------------------
+# serve: the engine against mlx-lm (and transformers)
+# --------------------------------------------------------------------------------------------
+
+
+def serve_config():
+    """The serve benchmark's model: 8 layers (6 KDA + 2 MLA), hidden 256, MoE 8 experts top-2
+    with a shared expert after a dense first layer. Small, because MLX's Linux CPU wheel links a
+    slow reference BLAS (ratios still hold)."""
+    from hybridattn.config import KimiLinearConfig
+
+    return KimiLinearConfig.tiny(
+        num_hidden_layers=8, hidden_size=256, intermediate_size=512, vocab_size=2048,
+        num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, linear_num_heads=4, linear_head_dim=64, num_experts=8,
+        num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=128,
+    )
+
+
+def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
+    """Our engine on ``prompts [B, P]``: all prompts in one prefill step, then
+    ``new_tokens - 1`` decode steps; best of ``repeats`` runs after a compiling run."""
+    from hybridattn.engine import Engine
+
+    B, P = prompts.shape
+    ctx = -(-(P + new_tokens) // 64) * 64
+    engine = Engine(config, params, max_running_requests=B, max_context_len=ctx,
+                    num_token_slots=B * ctx + 1, chunked_prefill_size=B * P,
+                    request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,))
+    t0 = time.perf_counter()
+    tokens = engine.generate(prompts.tolist(), new_tokens)  # compiles
+    first_run_s = time.perf_counter() - t0
+    compiles, compile_s = engine.stats.num_compilations, engine.stats.compile_seconds
+    best_prefill = best_step = math.inf
+    for _ in range(repeats):
+        engine.stats = type(engine.stats)()
+        again = engine.generate(prompts.tolist(), new_tokens)
+        assert again == tokens, "the engine is not deterministic"
+        s = engine.stats
+        best_prefill = min(best_prefill, s.prefill_seconds)
+        if s.decode_tokens:
+            best_step = min(best_step, s.decode_seconds / (s.decode_tokens / B))
+    out = dict(engine="ours", batch_size=B, prompt_len=P, new_tokens=new_tokens,
+               prefill_s=best_prefill, prefill_tok_s=B * P / best_prefill,
+               decode_step_s=best_step if new_tokens > 1 else None,
+               decode_tok_s=B / best_step if new_tokens > 1 else None,
+               compilations=compiles, compile_s=compile_s, first_run_s=first_run_s,
+               tokens=tokens)
+    return out
+
+
+def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 16,
+                repeats: int = 2, transformers: bool = True, config=None) -> dict:
+    from hybridattn import serve_anchors as A
+    from hybridattn.models import kimi_linear as M
+
+    config = config or serve_config()
+    params = M.init_params(config, jax.random.key(0))
+    bandwidth = A.memory_bandwidth_gbs()
+    res: dict = dict(machine=_machine(), config=config.to_dict(), prompt_len=prompt_len,
+                     new_tokens=new_tokens, bandwidth_gbs=bandwidth, rows=[])
+    mlx_model = A.mlx_lm_model(config, params)
+    reason = A.transformers_unavailable() if transformers else "not requested"
+    tf_model = A.transformers_model(config, params) if reason is None else None
+    res["transformers"] = reason or "ok"
+    for B in batch_sizes:
+        prompts = np.random.default_rng(B).integers(1, config.vocab_size, (B, prompt_len))
+        row: dict = dict(batch_size=B)
+        row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats)
+        row["mlx_lm"] = A.mlx_lm_serve(config, params, prompts=prompts.tolist(),
+                                       new_tokens=new_tokens, repeats=repeats, model=mlx_model)
+        if tf_model is not None:
+            row["transformers"] = A.transformers_serve(
+                config, params, prompts=prompts.tolist(), new_tokens=new_tokens,
+                repeats=1, model=tf_model)
+        ours_tokens = row["ours"]["tokens"]
+        for name in ("mlx_lm", "transformers"):
+            if name in row and row[name].get("tokens") is not None:
+                theirs = [list(map(int, t)) for t in row[name]["tokens"]]
+                row[name]["tokens_equal_ours"] = theirs == ours_tokens
+        floor = A.decode_bytes_per_step(config, B, prompt_len + new_tokens // 2)
+        row["decode_floor_s"] = floor["total"] / (bandwidth * 1e9)
+        row["decode_floor_bytes"] = floor["total"]
+        for r in (row["ours"], row["mlx_lm"], row.get("transformers", {})):
+            r.pop("tokens", None)
+            r.pop("prompts", None)
+        res["rows"].append(row)
+    return res
+
+
+def _machine() -> dict:
+    return dict(platform=platform.platform(), python=platform.python_version(),
+                jax=jax.__version__, backend=jax.default_backend(),
+                devices=len(jax.devices()))
+
+
+def _print_serve(res: dict) -> None:
+    print(f"serve: Kimi-Linear {res['config']['num_hidden_layers']} layers, hidden "
+          f"{res['config']['hidden_size']}, f32, prompts of {res['prompt_len']} tokens, "
+          f"{res['new_tokens']} new tokens each (greedy); bandwidth {res['bandwidth_gbs']:.1f} "
+          f"GB/s; transformers: {res['transformers']}")
+    print(f"{'B':>3} | {'engine':>12} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
+          f"{'ms/step':>8} | {'ours: prefill':>13} | {'decode':>7} | same tokens")
+    for row in res["rows"]:
+        ours = row["ours"]
+        for name in ("ours", "mlx_lm", "transformers"):
+            r = row.get(name)
+            if not r or r.get("skipped"):
+                continue
+            step = r.get("decode_step_s")
+            if name == "ours":
+                ratio = f"{'':>13} | {'':>7} | "
+            else:
+                ratio = (f"{ours['prefill_tok_s'] / r['prefill_tok_s']:12.2f}x | "
+                         f"{ours['decode_tok_s'] / r['decode_tok_s']:6.2f}x | "
+                         f"{'yes' if r.get('tokens_equal_ours') else 'NO'}")
+            print(f"{row['batch_size']:>3} | {name:>12} | {r['prefill_tok_s']:13.0f} | "
+                  f"{r['decode_tok_s'] or 0:12.0f} | {1e3 * (step or 0):8.2f} | {ratio}")
+        print(f"{row['batch_size']:>3} | {'floor':>12} | {'':>13} | "
+              f"{row['batch_size'] / row['decode_floor_s']:12.0f} | "
+              f"{1e3 * row['decode_floor_s']:8.2f} | ours at {row['decode_floor_s'] / ours['decode_step_s']:.0%} "
+              f"of the bandwidth bound ({row['decode_floor_bytes'] / 1e6:.1f} MB/step)")
+        print(f"{row['batch_size']:>3} | ours compiled {ours['compilations']} times in "
+              f"{ours['compile_s']:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybridattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,7 +395,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="chunk sizes of kda_chunked to measure")
     k.add_argument("--mlx-max-t", type=int, default=4096,
                    help="longest T to run mlx-lm's ops path on (it is slow)")
+    sv = sub.add_parser("serve", help="the serving engine vs mlx-lm (and transformers)")
+    sv.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sv.add_argument("--quick", action="store_true", help="batch sizes 1 and 8, one repeat")
+    sv.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    sv.add_argument("--prompt-len", type=int, default=64)
+    sv.add_argument("--new-tokens", type=int, default=16)
+    sv.add_argument("--no-transformers", action="store_true",
+                    help="skip transformers even when torch is installed")
     args = p.parse_args(argv)
+    if args.what == "serve":
+        res = bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
+                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                          repeats=1 if args.quick else 2,
+                          transformers=not args.no_transformers)
+        if args.json:
+            json.dump(res, sys.stdout, indent=2)
+            print()
+        else:
+            _print_serve(res)
+        return 0
     if args.what == "kda":
         res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
                         chunk_sizes=tuple(args.chunk_sizes))
