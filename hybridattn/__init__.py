@@ -8,7 +8,10 @@ All state lives in immutable pytrees updated by pure functions.
   recurrent-state pool.
 * :mod:`hybridattn.backend`: the MLA and KDA attention backends and the
   :class:`HybridLinearAttnBackend` that dispatches each layer to one of them.
-* :mod:`hybridattn.models.kimi_linear`: Kimi-Linear parameters and the serving forward.
+* :mod:`hybridattn.models.kimi_linear`: Kimi-Linear parameters (``init_params``, ``load``),
+  the serving forward and the cache-free ``apply``.
+* :mod:`hybridattn.serving`: the pure serving ``step`` over a :class:`ServingState`.
+* :class:`Engine`: continuous batching around ``step``.
 """
 
 from hybridattn import ops, pools
@@ -26,6 +29,7 @@ from hybridattn.backend import (
 )
 from hybridattn.batch import BatchRequest, make_forward_batch
 from hybridattn.config import KimiLinearConfig
+from hybridattn.engine import Engine, EngineStats
 from hybridattn.ops import (
     kda_chunked,
     kda_decode,
@@ -42,11 +46,33 @@ from hybridattn.pools import (
     ReqToTokenPool,
     SlotAllocator,
 )
+from hybridattn.serving import (
+    ModelWorkerBatch,
+    SamplingParams,
+    ServingState,
+    StepOutput,
+    WorkItem,
+    decode_steps,
+    make_worker_batch,
+    release,
+    step,
+)
 
 __all__ = [
     "ops",
     "pools",
     "BatchRequest",
+    "Engine",
+    "EngineStats",
+    "ModelWorkerBatch",
+    "SamplingParams",
+    "ServingState",
+    "StepOutput",
+    "WorkItem",
+    "decode_steps",
+    "make_worker_batch",
+    "release",
+    "step",
     "ForwardBatch",
     "ForwardMode",
     "FullAttnMetadata",
