@@ -378,8 +378,9 @@ def _print_serve(res: dict) -> None:
                   f"{r['decode_tok_s'] or 0:12.0f} | {1e3 * (step or 0):8.2f} | {ratio}")
         print(f"{row['batch_size']:>3} | {'floor':>12} | {'':>13} | "
               f"{row['batch_size'] / row['decode_floor_s']:12.0f} | "
-              f"{1e3 * row['decode_floor_s']:8.2f} | ours at {row['decode_floor_s'] / ours['decode_step_s']:.0%} "
-              f"of the bandwidth bound ({row['decode_floor_bytes'] / 1e6:.1f} MB/step)")
+              f"{1e3 * row['decode_floor_s']:8.2f} | ours at "
+              f"{row['decode_floor_s'] / ours['decode_step_s']:.0%} of the bandwidth bound "
+              f"({row['decode_floor_bytes'] / 1e6:.1f} MB/step)")
         print(f"{row['batch_size']:>3} | ours compiled {ours['compilations']} times in "
               f"{ours['compile_s']:.1f} s")
 

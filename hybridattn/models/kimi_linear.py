@@ -13,17 +13,35 @@ The serving forward runs every layer through an attention backend (``hybridattn.
 KDA layers hand the backend their projections, conv weights, gate and beta; MLA layers hand it
 the query, the latent ``c_kv`` / ``k_pe`` and ``kv_b_proj`` split per head. Kimi-Linear's MLA
 applies no rotary embedding (``mla_use_nope``), as in mlx-lm.
+
+:func:`apply` is the cache-free forward of a ``[B, T]`` batch of token ids (the reference the
+serving path must match, and what one trains with); :func:`save_pretrained` and :func:`load`
+write and read Hugging Face checkpoint directories (``config.json`` plus ``model.safetensors``
+or shards with ``model.safetensors.index.json``) in the released naming::
+
+    save_pretrained(params, config, "ckpt", dtype=jnp.bfloat16)
+    config, params = load("ckpt")
+    logits = jax.jit(apply, static_argnums=1)(params, config, input_ids)   # [B, T, V] f32
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from hybridattn.config import KimiLinearConfig
-from hybridattn.ops import kda_gate
+from hybridattn.ops import kda_chunked, kda_gate, l2norm, short_conv
 
 Params = dict
 
@@ -317,7 +335,434 @@ def compute_logits(params: Params, config: KimiLinearConfig, hidden) -> Float[Ar
     return hidden.astype(jnp.float32) @ head.T.astype(jnp.float32)
 
 
+# --------------------------------------------------------------------------------------------
+# the cache-free forward
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseAttention:
+    """Attention backend of :func:`apply`: every layer sees the whole ``[B, T]`` batch (tokens
+    flattened to ``B * T``, batch-major) and no cache; ``batch`` passes through untouched."""
+
+    config: KimiLinearConfig
+    batch_size: int
+    seq_len: int
+    chunk_size: int
+
+    def __call__(self, layer_id: int, batch, **inputs):
+        if self.config.is_kda_layer(layer_id):
+            return self._kda(**inputs), batch
+        return self._mla(**inputs), batch
+
+    def _kda(self, *, q, k, v, g, beta, q_conv, k_conv, v_conv):
+        """Short conv (q | k | v weights concatenated), L2-normalised q / k, chunked KDA."""
+        B, T = self.batch_size, self.seq_len
+        H, Dk = self.config.linear_num_heads, self.config.linear_head_dim
+        Dv = v.shape[-1] // H
+        weight = jnp.concatenate([w[:, 0, :] if w.ndim == 3 else w
+                                  for w in (q_conv, k_conv, v_conv)], axis=0)
+        y, _ = short_conv(jnp.concatenate([q, k, v], axis=-1).reshape(B, T, -1), weight)
+        qc, kc, vc = jnp.split(y, [H * Dk, 2 * H * Dk], axis=-1)
+        qh = l2norm(qc.reshape(B, T, H, Dk).astype(jnp.float32))
+        kh = l2norm(kc.reshape(B, T, H, Dk).astype(jnp.float32))
+        o, _ = kda_chunked(qh, kh, vc.reshape(B, T, H, Dv), g.reshape(B, T, H, Dk),
+                           beta.reshape(B, T, H), chunk_size=self.chunk_size)
+        return o.reshape(B * T, H, Dv).astype(v.dtype)
+
+    def _mla(self, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc):
+        """Causal softmax attention with K / V decompressed from ``c_kv`` (f32 inside)."""
+        B, T = self.batch_size, self.seq_len
+        H = self.config.num_attention_heads
+        f32 = jnp.float32
+        ckv = c_kv.reshape(B, T, -1).astype(f32)
+        k_nope = jnp.einsum("btr,hdr->bthd", ckv, w_kc.astype(f32))
+        v = jnp.einsum("btr,hdr->bthd", ckv, w_vc.astype(f32))
+        kpe = jnp.broadcast_to(k_pe.reshape(B, T, 1, -1).astype(f32),
+                               (B, T, H, k_pe.shape[-1]))
+        q = jnp.concatenate([q_nope, q_pe], axis=-1).reshape(B, T, H, -1).astype(f32)
+        k = jnp.concatenate([k_nope, kpe], axis=-1)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * self.config.q_head_dim**-0.5
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(f32).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return out.reshape(B * T, H, -1).astype(q_nope.dtype)
+
+
+def apply(
+    params: Params,
+    config: KimiLinearConfig,
+    input_ids: Int[Array | np.ndarray, "B T"],
+    *,
+    chunk_size: int = 64,
+) -> Float[Array, "B T V"]:
+    """Cache-free forward of ``input_ids [B, T]``: logits ``[B, T, vocab]`` in float32.
+
+    Every row is one sequence starting at position 0 (no padding). The layers are the serving
+    path's own (:func:`decoder_layer`); attention runs densely over each row: KDA through
+    :func:`hybridattn.ops.kda_chunked`, MLA as causal softmax attention over the decompressed
+    keys and values. Pure and differentiable; compiles with ``config`` static
+    (``jax.jit(apply, static_argnums=1)``; ``static_argnames="chunk_size"`` too to set the
+    KDA chunk, a power of two, which changes no result). Matmuls run in the parameters' dtype
+    (bf16 parameters give a bf16 forward), recurrent states and attention in float32::
+
+        logits = jax.jit(apply, static_argnums=1)(params, config, input_ids)  # [B, T, V]
+    """
+    _check_supported(config)
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be an integer array [B, T], got dtype "
+                         f"{input_ids.dtype} and shape {input_ids.shape}")
+    B, T = input_ids.shape
+    backend = _DenseAttention(config, B, T, chunk_size)
+    x = params["model"]["embed_tokens"]["weight"][input_ids.reshape(B * T)]
+    for i, layer in enumerate(params["model"]["layers"]):
+        x, _ = decoder_layer(layer, config, i, x, backend, None)
+    hidden = rms_norm(x, params["model"]["norm"]["weight"], config.rms_norm_eps)
+    return compute_logits(params, config, hidden).reshape(B, T, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------
+
+# Parameters kept in float32 whatever the model's dtype (as init_params and mlx-lm keep them).
+_F32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# transformers writes a dense layer's MLP under block_sparse_moe; the release under mlp.
+_DENSE_ALIAS = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(gate_proj|up_proj|down_proj)"
+                          r"\.weight")
+_MAX_PROBLEMS = 20
+
+
+def _keeps_f32(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in _F32_PARAMS
+
+
+def param_shapes(config: KimiLinearConfig, dtype=jnp.float32) -> Params:
+    """The tree :func:`init_params` returns, as ``jax.ShapeDtypeStruct`` leaves (nothing is
+    allocated): ``A_log``, ``dt_bias`` and ``e_score_correction_bias`` are float32, the rest
+    ``dtype``.
+
+    >>> param_shapes(KimiLinearConfig.tiny())["model"]["layers"][1]["block_sparse_moe"][
+    ...     "experts"]["w2"].shape
+    (4, 64, 32)
+    """
+    _check_supported(config)
+    D = config.hidden_size
+
+    def s(*shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    def lin(out_dim, in_dim):
+        return {"weight": s(out_dim, in_dim)}
+
+    def mlp(inter):
+        return {"gate_proj": lin(inter, D), "up_proj": lin(inter, D), "down_proj": lin(D, inter)}
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        if config.is_kda_layer(i):
+            H, Dk = config.linear_num_heads, config.linear_head_dim
+            K = config.linear_conv_kernel_dim
+            attn = {
+                "q_proj": lin(H * Dk, D), "k_proj": lin(H * Dk, D), "v_proj": lin(H * Dk, D),
+                "q_conv1d": {"weight": s(H * Dk, 1, K)},
+                "k_conv1d": {"weight": s(H * Dk, 1, K)},
+                "v_conv1d": {"weight": s(H * Dk, 1, K)},
+                "A_log": s(1, 1, H, 1, dt=jnp.float32),
+                "dt_bias": s(H * Dk, dt=jnp.float32),
+                "f_a_proj": lin(Dk, D), "f_b_proj": lin(H * Dk, Dk),
+                "g_a_proj": lin(Dk, D), "g_b_proj": lin(H * Dk, Dk),
+                "b_proj": lin(H, D),
+                "o_norm": {"weight": s(Dk)},
+                "o_proj": lin(D, H * Dk),
+            }
+        else:
+            H, r = config.num_attention_heads, config.kv_lora_rank
+            attn = {
+                "q_proj": lin(H * config.q_head_dim, D),
+                "kv_a_proj_with_mqa": lin(r + config.qk_rope_head_dim, D),
+                "kv_a_layernorm": {"weight": s(r)},
+                "kv_b_proj": lin(H * (config.qk_nope_head_dim + config.v_head_dim), r),
+                "o_proj": lin(D, H * config.v_head_dim),
+            }
+        layer = {"self_attn": attn, "input_layernorm": {"weight": s(D)},
+                 "post_attention_layernorm": {"weight": s(D)}}
+        if config.is_moe_layer(i):
+            E, inter = config.num_experts, config.moe_intermediate_size
+            moe = {
+                "gate": {"weight": s(E, D), "e_score_correction_bias": s(E, dt=jnp.float32)},
+                "experts": {"w1": s(E, inter, D), "w2": s(E, D, inter), "w3": s(E, inter, D)},
+            }
+            if config.num_shared_experts:
+                moe["shared_experts"] = mlp(inter * config.num_shared_experts)
+            layer["block_sparse_moe"] = moe
+        else:
+            layer["mlp"] = mlp(config.intermediate_size)
+        layers.append(layer)
+    params = {"model": {"embed_tokens": lin(config.vocab_size, D), "layers": layers,
+                        "norm": {"weight": s(D)}}}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = lin(config.vocab_size, D)
+    return params
+
+
+def _expected_tensors(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
+    """``{tensor name: shape}`` of a checkpoint of ``config``, named as :func:`to_checkpoint`
+    names them (run on zero-strided placeholders, so nothing is allocated)."""
+    ghost = jax.tree.map(lambda x: np.broadcast_to(np.zeros((), np.float32), x.shape),
+                         param_shapes(config))
+    return {name: a.shape for name, a in to_checkpoint(ghost).items()}
+
+
+def _accepted_shapes(name: str, want: tuple[int, ...],
+                     config: KimiLinearConfig) -> tuple[tuple[int, ...], ...]:
+    """Shapes a checkpoint may store ``name`` in: the released one, plus the flat ``A_log
+    [H]`` and the per-head ``dt_bias [H, Dk]`` of other writers (read as the released ones)."""
+    leaf = name.rsplit(".", 1)[-1]
+    H, Dk = config.linear_num_heads, config.linear_head_dim
+    if leaf == "A_log":
+        return want, (H,)
+    if leaf == "dt_bias":
+        return want, (H, Dk)
+    return (want,)
+
+
+def _canonical_names(names, config: KimiLinearConfig) -> dict[str, str]:
+    """``{released name: name in the file}``: a dense layer's MLP may be stored under
+    ``block_sparse_moe.`` (transformers) instead of ``mlp.`` (the release). A tied
+    ``lm_head.weight`` is dropped."""
+    out: dict[str, str] = {}
+    for name in names:
+        canon = name
+        m = _DENSE_ALIAS.fullmatch(name)
+        if m and int(m[1]) < config.num_hidden_layers and not config.is_moe_layer(int(m[1])):
+            canon = f"model.layers.{m[1]}.mlp.{m[2]}.weight"
+        if canon == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if canon in out:
+            raise ValueError(f"tensors {out[canon]!r} and {name!r} are both {canon!r}")
+        out[canon] = name
+    return out
+
+
+def _check_tensors(found: Mapping[str, tuple[tuple[int, ...], bool]], names: Mapping[str, str],
+                   config: KimiLinearConfig, source: str) -> None:
+    """Check ``found`` (``{released name: (shape, is floating)}``) against the tensors a
+    checkpoint of ``config`` holds; one ValueError lists every missing, unexpected,
+    wrong-shape or non-floating tensor (by its name in the file, ``names``)."""
+    expected = _expected_tensors(config)
+    problems = []
+    for name, want in expected.items():
+        if name not in found:
+            problems.append(f"missing tensor {name!r} (expected shape {want})")
+            continue
+        shape, floating = found[name]
+        if shape not in _accepted_shapes(name, want, config):
+            problems.append(f"tensor {names[name]!r} has shape {shape}, expected {want}")
+        elif not floating:
+            problems.append(f"tensor {names[name]!r} (shape {shape}) is not floating point")
+    for name in found.keys() - expected.keys():
+        problems.append(f"unexpected tensor {names[name]!r} of shape {found[name][0]}")
+    if problems:
+        more = len(problems) - _MAX_PROBLEMS
+        raise ValueError(
+            f"{source} does not match the config ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:_MAX_PROBLEMS])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+
+
+def _float_dtype(dtype, what: str):
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{what} must be a floating dtype, got {dtype!r}")
+    return np.dtype(dtype)
+
+
+def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
+    """Rebuild the ``node`` subtree of :func:`param_shapes` from checkpoint tensors (the
+    inverse of :func:`to_checkpoint`'s walk; routed experts re-stacked)."""
+    if isinstance(node, dict):
+        if prefix.endswith("block_sparse_moe.experts"):
+            return {name: np.stack([fetch(f"{prefix}.{e}.{name}.weight")
+                                    for e in range(spec.shape[0])])
+                    for name, spec in node.items()}
+        return {key: _unflatten(child, f"{prefix}.{key}" if prefix else key, fetch)
+                for key, child in node.items()}
+    if isinstance(node, list):
+        return [_unflatten(child, f"{prefix}.{i}", fetch) for i, child in enumerate(node)]
+    return fetch(prefix)
+
+
+def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinearConfig,
+              dtype, source: str) -> Params:
+    """Check the tensors ``found`` and read them (``get(name in the file)``) into params."""
+    dt = _float_dtype(dtype, "dtype")
+    _check_tensors(found, names, config, source)
+    expected = _expected_tensors(config)
+
+    def fetch(name):
+        a = np.asarray(get(names[name])).reshape(expected[name])
+        return a.astype(np.float32 if _keeps_f32(name) else dt, copy=False)
+
+    return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
+
+
+def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
+                    dtype=jnp.float32) -> Params:
+    """Parameters in the :func:`init_params` layout from a flat ``{tensor name: array}`` in
+    the released naming (the inverse of :func:`to_checkpoint`).
+
+    Routed experts are re-stacked; floating tensors are cast to ``dtype`` except ``A_log``,
+    ``dt_bias`` and ``e_score_correction_bias`` (float32). A dense layer's MLP may be named
+    ``block_sparse_moe.{gate,up,down}_proj`` (as transformers writes it); ``lm_head.weight``
+    is ignored when ``tie_word_embeddings``. Missing, unexpected or wrong-shape tensors raise
+    one ValueError naming each.
+
+    >>> cfg = KimiLinearConfig.tiny()
+    >>> p = init_params(cfg, jax.random.key(0))
+    >>> q = from_checkpoint(to_checkpoint(p), cfg)
+    >>> all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), p, q)))
+    True
+    """
+    names = _canonical_names(tensors, config)
+    found = {c: (tuple(np.shape(tensors[n])),
+                 bool(jnp.issubdtype(tensors[n].dtype, jnp.floating)))
+             for c, n in names.items()}
+    return _assemble(tensors.__getitem__, found, names, config, dtype, "checkpoint")
+
+
+def _weight_files(path: str) -> tuple[dict[str, str] | None, str]:
+    """``(weight_map, source)``: the index's ``{tensor name: shard file}`` and the index's
+    path, or ``(None, path of model.safetensors)`` for a single-file checkpoint."""
+    index = os.path.join(path, _INDEX_FILE)
+    single = os.path.join(path, _SINGLE_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' of tensor names to files")
+        return weight_map, index
+    if os.path.isfile(single):
+        return None, single
+    raise FileNotFoundError(f"checkpoint directory {path!r} has neither {_SINGLE_FILE} nor "
+                            f"{_INDEX_FILE}")
+
+
+def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearConfig, Params]:
+    """Read a Hugging Face checkpoint directory: ``(config, params)``.
+
+    ``path`` holds ``config.json`` and ``model.safetensors`` or shards listed by
+    ``model.safetensors.index.json``. Every tensor's name and shape is checked against the
+    config before any is read (see :func:`from_checkpoint` for the naming, dtypes and
+    errors). Params come out in the :func:`init_params` layout.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"checkpoint directory {path!r} has no config.json")
+    config = KimiLinearConfig.from_pretrained(path)
+    weight_map, source = _weight_files(path)
+    with contextlib.ExitStack() as stack:
+        files = sorted(set(weight_map.values())) if weight_map else [_SINGLE_FILE]
+        handles = {}
+        for f in files:
+            file_path = os.path.join(path, f)
+            if not os.path.isfile(file_path):
+                raise FileNotFoundError(f"{file_path} (listed in {source}) does not exist")
+            handles[f] = stack.enter_context(safe_open(file_path, framework="np"))
+        where: dict[str, str] = {}
+        for f, h in handles.items():
+            for name in h.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name!r} is in both {where[name]} and {f}")
+                where[name] = f
+        if weight_map is not None:
+            for name, f in weight_map.items():
+                if name not in where:
+                    raise ValueError(f"{source} lists tensor {name!r} in {f}, which does not "
+                                     f"hold it")
+                if where[name] != f:
+                    raise ValueError(f"{source} lists tensor {name!r} in {f}, but it is in "
+                                     f"{where[name]}")
+            unlisted = sorted(where.keys() - weight_map.keys())
+            if unlisted:
+                raise ValueError(f"tensor {unlisted[0]!r} of {where[unlisted[0]]} is not in "
+                                 f"{source}")
+        names = _canonical_names(where, config)
+        found = {}
+        for c, n in names.items():
+            sl = handles[where[n]].get_slice(n)
+            dt = sl.get_dtype()
+            found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
+        params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
+                           dtype, path)
+    return config, params
+
+
+def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.PathLike[str], *,
+                    dtype=None, max_shard_bytes: int | None = None) -> None:
+    """Write ``params`` as a Hugging Face checkpoint directory readable by :func:`load`,
+    mlx-lm and transformers: ``config.json`` plus ``model.safetensors``, or, when the tensors
+    exceed ``max_shard_bytes``, shards ``model-0000i-of-0000N.safetensors`` and
+    ``model.safetensors.index.json``.
+
+    Tensor names are :func:`to_checkpoint`'s (the release's). ``dtype`` (e.g.
+    ``jnp.bfloat16``) casts every tensor but ``A_log``, ``dt_bias`` and
+    ``e_score_correction_bias``, which are written float32; ``None`` writes each as it is.
+    ``params`` are checked against ``config`` first. A previous checkpoint's weight files in
+    ``path`` are removed.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    dt = None if dtype is None else _float_dtype(dtype, "dtype")
+    flat = to_checkpoint(params)
+    found = {n: (a.shape, bool(jnp.issubdtype(a.dtype, jnp.floating))) for n, a in flat.items()}
+    _check_tensors(found, {n: n for n in flat}, config, "params")
+
+    def cast(name, a):
+        if dt is not None:
+            a = a.astype(np.float32 if _keeps_f32(name) else dt)
+        return np.ascontiguousarray(a)
+
+    tensors = {name: cast(name, a) for name, a in flat.items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, a in tensors.items():
+        if shards[-1] and max_shard_bytes is not None and size + a.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(path):
+        if f in (_SINGLE_FILE, _INDEX_FILE) or _SHARD_FILE.fullmatch(f):
+            os.remove(os.path.join(path, f))
+    config.save_pretrained(path)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, _SINGLE_FILE), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        f = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, f), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, f))
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": weight_map}
+    with open(os.path.join(path, _INDEX_FILE), "w") as fh:
+        json.dump(index, fh, indent=2)
+        fh.write("\n")
+
+
 __all__ = [
-    "compute_logits", "dense_mlp", "decoder_layer", "forward", "init_params", "kda_attention",
-    "mla_attention", "mla_split", "rms_norm", "route", "sparse_moe", "to_checkpoint",
+    "apply", "compute_logits", "dense_mlp", "decoder_layer", "forward", "from_checkpoint",
+    "init_params", "kda_attention", "load", "mla_attention", "mla_split", "param_shapes",
+    "rms_norm", "route", "save_pretrained", "sparse_moe", "to_checkpoint",
 ]
