@@ -236,25 +236,43 @@ def route(p_gate: Params, config: KimiLinearConfig, x):
 
 
 def sparse_moe(p: Params, config: KimiLinearConfig, x):
-    """Routed experts (grouped matmuls over tokens sorted by expert) plus shared experts."""
+    """Routed experts plus shared experts, for ``x [N, D]``.
+
+    Three exact evaluations of the same sum, picked by shape and platform at trace time:
+
+    * ``N * top_k <= E`` (decode, small batches): gather the chosen experts' weights per token
+      and contract them; it reads only the experts in use.
+    * otherwise on CPU: every expert on every token, weighted by the (mostly zero) routing
+      weights. XLA:CPU lowers ``ragged_dot`` to this same dense product anyway, after copying
+      the transposed expert weights on every call; this skips the copies.
+    * otherwise (GPU / TPU): tokens sorted by expert and grouped matmuls (``ragged_dot``).
+    """
     N, D = x.shape
     k, E = config.num_experts_per_token, config.num_experts
     idx, weights = route(p["gate"], config, x)
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tokens = order // k
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    xs = x[tokens]
     ex = p["experts"]
-    w1 = jnp.swapaxes(ex["w1"], 1, 2).astype(x.dtype)  # [E, D, I]
-    w3 = jnp.swapaxes(ex["w3"], 1, 2).astype(x.dtype)
-    w2 = jnp.swapaxes(ex["w2"], 1, 2).astype(x.dtype)  # [E, I, D]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, group_sizes)) * jax.lax.ragged_dot(
-        xs, w3, group_sizes
-    )
-    ys = jax.lax.ragged_dot(h, w2, group_sizes)  # [N*k, D], sorted by expert
-    ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
-    out = jnp.zeros((N, D), ys.dtype).at[tokens].add(ys)
+    w1, w2, w3 = (ex[n].astype(x.dtype) for n in ("w1", "w2", "w3"))  # [E,I,D] [E,D,I] [E,I,D]
+    if N * k <= E:
+        h = (jax.nn.silu(jnp.einsum("nd,nkid->nki", x, w1[idx]))
+             * jnp.einsum("nd,nkid->nki", x, w3[idx]))
+        ys = jnp.einsum("nki,nkdi->nkd", h, w2[idx])
+        out = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+    elif jax.default_backend() == "cpu":
+        combine = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].add(weights)
+        h = jax.nn.silu(jnp.einsum("nd,eid->nei", x, w1)) * jnp.einsum("nd,eid->nei", x, w3)
+        out = jnp.einsum("nei,edi->nd", h * combine[:, :, None].astype(h.dtype), w2)
+    else:
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tokens = order // k
+        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        xs = x[tokens]
+        w1t, w3t, w2t = (jnp.swapaxes(w, 1, 2) for w in (w1, w3, w2))
+        h = (jax.nn.silu(jax.lax.ragged_dot(xs, w1t, group_sizes))
+             * jax.lax.ragged_dot(xs, w3t, group_sizes))
+        ys = jax.lax.ragged_dot(h, w2t, group_sizes)  # [N*k, D], sorted by expert
+        ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
+        out = jnp.zeros((N, D), ys.dtype).at[tokens].add(ys)
     if "shared_experts" in p:
         out = out + dense_mlp(p["shared_experts"], x)
     return out.astype(x.dtype)
