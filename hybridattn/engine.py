@@ -106,6 +106,7 @@ class MemoryReport:
     max_running_requests: int
     max_context_len: int
     num_token_slots: int
+    mla_layers: int
     mla_bytes_per_token: int  # latent c_kv + k_pe, summed over the MLA layers
     full_attn_bytes_per_token: int  # K and V of every layer if all were full multi-head attention
     state_bytes_per_request: int  # KDA conv + recurrent state, summed over the KDA layers
@@ -117,7 +118,9 @@ class MemoryReport:
             f"pools {self.pool_bytes / mib:.1f} MiB of a {self.budget_bytes / mib:.0f} MiB budget "
             f"(params {self.param_bytes / mib:.1f} MiB): {self.num_token_slots - 1} token slots, "
             f"{self.max_running_requests} requests x {self.max_context_len} context\n"
-            f"per token of context: {self.mla_bytes_per_token} B of MLA latent vs "
+            f"per token of context: {self.mla_bytes_per_token} B of MLA latent ("
+            f"{self.mla_layers} MLA layers x {self.mla_bytes_per_token // max(self.mla_layers, 1)}"
+            f" B) vs "
             f"{self.full_attn_bytes_per_token} B if every layer kept full-attention K/V "
             f"({self.full_attn_bytes_per_token / max(self.mla_bytes_per_token, 1):.1f}x); "
             f"per request: {self.state_bytes_per_request / 1024:.1f} KiB of KDA state"
@@ -253,7 +256,7 @@ class Engine:
         self.memory = MemoryReport(
             budget_bytes=budget, param_bytes=param_bytes,
             max_running_requests=self.max_running_requests, max_context_len=max_context_len,
-            num_token_slots=num_token_slots, mla_bytes_per_token=mla_tok,
+            num_token_slots=num_token_slots, mla_layers=n_mla, mla_bytes_per_token=mla_tok,
             full_attn_bytes_per_token=full_tok, state_bytes_per_request=state_req,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
         )

@@ -47,12 +47,31 @@ def engine(**kw) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def mlx_greedy():
-    """Greedy generation with mlx-lm's Kimi-Linear and its own per-request caches."""
+def checkpoint(tmp_path_factory):
+    """PARAMS written as a sharded checkpoint directory in the released layout."""
+    path = tmp_path_factory.mktemp("kimi") / "ckpt"
+    M.save_pretrained(PARAMS, CFG, path, max_shard_bytes=300_000)
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    config, params = M.load(checkpoint)
+    assert config == CFG
+    return params
+
+
+@pytest.fixture(scope="module")
+def mlx_greedy(checkpoint):
+    """Greedy generation with mlx-lm's Kimi-Linear, reading the same checkpoint files through
+    its own ``sanitize``, with its own per-request caches."""
     mx = pytest.importorskip("mlx.core")
     kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
     model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {k: mx.array(v) for k, v in M.to_checkpoint(PARAMS).items()}
+    weights = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
 
     def generate(prompt, n):
@@ -79,22 +98,58 @@ def prompts_of(lengths, seed=0):
 
 @pytest.mark.mlx
 @pytest.mark.parametrize("chunked_prefill_size", [64, 7])
-def test_engine_greedy_equals_mlx_lm(mlx_greedy, chunked_prefill_size):
+def test_engine_greedy_equals_mlx_lm(mlx_greedy, loaded, chunked_prefill_size):
     # shorter than, equal to and longer than one KDA chunk (32), and longer than two
     prompts = prompts_of([5, 32, 45, 70])
-    eng = engine(chunked_prefill_size=chunked_prefill_size)
+    eng = Engine(CFG, loaded, **{**ENGINE, "chunked_prefill_size": chunked_prefill_size})
     got = eng.generate(prompts, max_new_tokens=6)
     assert got == [mlx_greedy(p, 6) for p in prompts]
 
 
 @pytest.mark.mlx
-def test_engine_many_concurrent_requests_equal_mlx_lm(mlx_greedy):
+def test_engine_many_concurrent_requests_equal_mlx_lm(mlx_greedy, loaded):
     prompts = prompts_of(np.random.default_rng(1).integers(1, 40, 12), seed=1)
-    eng = engine()
+    eng = Engine(CFG, loaded, **ENGINE)
     got = eng.generate(prompts, max_new_tokens=5)
     assert got == [mlx_greedy(p, 5) for p in prompts]
     assert eng.num_running == 0 and eng.num_waiting == 0
     assert int(eng.state.token_allocator.num_free) == eng.capacity  # every slot came back
+
+
+def test_stream_yields_what_generate_returns():
+    prompts = prompts_of([12, 3, 50], seed=4)
+    seen = [[] for _ in prompts]
+    order = []
+    for i, tok in engine().stream(prompts, 5, temperature=0.9, seed=2):
+        seen[i].append(tok)
+        order.append(i)
+    assert seen == engine().generate(prompts, 5, temperature=0.9, seed=2)
+    assert order != sorted(order)  # interleaved: the requests ran together
+
+
+def test_stop_token_ends_a_request_and_frees_its_slots():
+    p = prompts_of([10], seed=8)[0]
+    free_run = engine().generate([p], 6)[0]
+    stop = free_run[2]
+    eng = engine()
+    out = eng.generate([p], 6, stop_token_ids=[stop])[0]
+    assert out == free_run[: free_run.index(stop) + 1]
+    assert int(eng.state.token_allocator.num_free) == eng.capacity
+
+
+def test_pool_sizes_from_the_memory_budget(monkeypatch):
+    import hybridattn.engine as E
+
+    monkeypatch.setattr(E, "available_memory_bytes", lambda: 1 << 34)
+    eng = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=64)
+    assert eng.capacity == 4 * 64  # plenty of memory: every request at full context
+    m = eng.memory
+    assert m.mla_bytes_per_token == 1 * (CFG.kv_lora_rank + CFG.qk_rope_head_dim) * 4
+    assert m.full_attn_bytes_per_token == 4 * 4 * (24 + 16) * 4  # 4 layers x 4 heads x (K+V)
+    assert "per token of context" in str(m)
+    monkeypatch.setattr(E, "available_memory_bytes", lambda: 1 << 20)  # half of 1 MiB: less than the params
+    with pytest.raises(ValueError, match="mem_fraction=0.5"):
+        Engine(CFG, PARAMS, max_running_requests=4, max_context_len=64)
 
 
 # --------------------------------------------------------------------------------------------
