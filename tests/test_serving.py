@@ -147,7 +147,7 @@ def test_pool_sizes_from_the_memory_budget(monkeypatch):
     assert m.mla_bytes_per_token == 1 * (CFG.kv_lora_rank + CFG.qk_rope_head_dim) * 4
     assert m.full_attn_bytes_per_token == 4 * 4 * (24 + 16) * 4  # 4 layers x 4 heads x (K+V)
     assert "per token of context" in str(m)
-    monkeypatch.setattr(E, "available_memory_bytes", lambda: 1 << 20)  # half of 1 MiB: less than the params
+    monkeypatch.setattr(E, "available_memory_bytes", lambda: 1 << 20)  # half < params
     with pytest.raises(ValueError, match="mem_fraction=0.5"):
         Engine(CFG, PARAMS, max_running_requests=4, max_context_len=64)
 
