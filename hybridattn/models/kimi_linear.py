@@ -258,9 +258,14 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
         ys = jnp.einsum("nki,nkdi->nkd", h, w2[idx])
         out = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
     elif jax.default_backend() == "cpu":
+        # Shapes chosen so that no expert weight is transposed (copied) per call: w1 / w3 as
+        # one [E*I, D] matrix, w2 batched over experts with its own [D, I] layout.
         combine = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].add(weights)
-        h = jax.nn.silu(jnp.einsum("nd,eid->nei", x, w1)) * jnp.einsum("nd,eid->nei", x, w3)
-        out = jnp.einsum("nei,edi->nd", h * combine[:, :, None].astype(h.dtype), w2)
+        I = w1.shape[1]
+        h1 = (x @ w1.reshape(E * I, D).T).reshape(N, E, I)
+        h3 = (x @ w3.reshape(E * I, D).T).reshape(N, E, I)
+        h = jax.nn.silu(h1) * h3 * combine[:, :, None].astype(h1.dtype)
+        out = jnp.einsum("eni,edi->end", jnp.swapaxes(h, 0, 1), w2).sum(0)
     else:
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
