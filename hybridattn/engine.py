@@ -457,6 +457,22 @@ class Engine:
     # convenience
     # ---------------------------------------------------------------------------------------
 
+    def warmup(self) -> None:
+        """Compile the smallest buckets (one prefill step, one decode step) by serving a
+        one-token request, then reset the throughput counters (compilations are kept). With
+        one bucket per dimension that is every compilation the engine will need."""
+        if self.has_unfinished():
+            raise RuntimeError("warmup() needs an idle engine")
+        self.generate([[0]], 2)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the throughput counters and TTFTs; compilation counts and buckets stay."""
+        s = self.stats
+        self.stats = EngineStats(num_compilations=s.num_compilations,
+                                 compile_seconds=s.compile_seconds, buckets=s.buckets,
+                                 compiled_buckets=s.compiled_buckets)
+
     def stream(
         self,
         prompts: Sequence[Sequence[int]],

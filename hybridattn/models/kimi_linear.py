@@ -261,9 +261,9 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
         # Shapes chosen so that no expert weight is transposed (copied) per call: w1 / w3 as
         # one [E*I, D] matrix, w2 batched over experts with its own [D, I] layout.
         combine = jnp.zeros((N, E), jnp.float32).at[jnp.arange(N)[:, None], idx].add(weights)
-        I = w1.shape[1]
-        h1 = (x @ w1.reshape(E * I, D).T).reshape(N, E, I)
-        h3 = (x @ w3.reshape(E * I, D).T).reshape(N, E, I)
+        inter = w1.shape[1]
+        h1 = (x @ w1.reshape(E * inter, D).T).reshape(N, E, inter)
+        h3 = (x @ w3.reshape(E * inter, D).T).reshape(N, E, inter)
         h = jax.nn.silu(h1) * h3 * combine[:, :, None].astype(h1.dtype)
         out = jnp.einsum("eni,edi->end", jnp.swapaxes(h, 0, 1), w2).sum(0)
     else:
