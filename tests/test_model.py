@@ -83,10 +83,10 @@ def test_serving_forward_equals_mlx_lm_kimi_linear():
     assert (got_a.argmax(-1) == ref_a.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("n_tokens", [1, 3, 40])
+@pytest.mark.parametrize("n_tokens", [1, 3, 40, 300])
 def test_moe_paths_agree(monkeypatch, n_tokens):
-    """The gathered (N * top_k <= E), dense (CPU) and grouped ragged_dot (GPU / TPU) forms of
-    the routed experts give the same sum."""
+    """The gathered (N * top_k <= E), dense and blocked (CPU, few / many tokens) and grouped
+    ragged_dot (GPU / TPU) forms of the routed experts give the same sum."""
     cfg = _CFG
     p = M.init_params(cfg, jax.random.key(3))["model"]["layers"][1]["block_sparse_moe"]
     x = jax.random.normal(jax.random.key(4), (n_tokens, cfg.hidden_size))

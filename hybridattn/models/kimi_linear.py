@@ -235,6 +235,46 @@ def route(p_gate: Params, config: KimiLinearConfig, x):
     return idx, weights * config.routed_scaling_factor
 
 
+_MOE_BLOCK = 64  # rows per block of the blocked (sorted) expert form
+
+
+def _moe_blocks(pairs: int, num_experts: int) -> int:
+    """Blocks the blocked form needs at most: every expert's group padded to whole blocks."""
+    return -(-pairs // _MOE_BLOCK) + num_experts
+
+
+def _blocked_experts(x, idx, weights, w1, w2, w3):
+    """Routed experts by blocks: token-expert pairs sorted by expert, each expert's group
+    padded to whole blocks of ``_MOE_BLOCK`` rows, one ``lax.scan`` step per block with that
+    block's expert weights (dynamic slices, no copies of the stacked weights)."""
+    N, D = x.shape
+    k = idx.shape[1]
+    E = w1.shape[0]
+    bs, P = _MOE_BLOCK, N * k
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.bincount(flat, length=E)
+    blocks = -(-counts // bs)
+    first_block = jnp.cumsum(blocks) - blocks
+    first_row = jnp.cumsum(counts) - counts
+    dest = first_block[expert] * bs + jnp.arange(P) - first_row[expert]  # padded row per pair
+    nb = _moe_blocks(P, E)
+    token = order // k
+    rows = jnp.zeros((nb * bs, D), x.dtype).at[dest].set(x[token])
+    block_expert = jnp.clip(jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(nb), side="right"),
+                            0, E - 1)
+
+    def block(_, args):
+        xb, e = args
+        h = jax.nn.silu(xb @ w1[e].T) * (xb @ w3[e].T)
+        return None, h @ w2[e].T
+
+    _, y = jax.lax.scan(block, None, (rows.reshape(nb, bs, D), block_expert))
+    ys = y.reshape(nb * bs, D)[dest] * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((N, D), ys.dtype).at[token].add(ys)
+
+
 def sparse_moe(p: Params, config: KimiLinearConfig, x):
     """Routed experts plus shared experts, for ``x [N, D]``.
 
@@ -242,9 +282,12 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
 
     * ``N * top_k <= E`` (decode, small batches): gather the chosen experts' weights per token
       and contract them; it reads only the experts in use.
-    * otherwise on CPU: every expert on every token, weighted by the (mostly zero) routing
-      weights. XLA:CPU lowers ``ragged_dot`` to this same dense product anyway, after copying
-      the transposed expert weights on every call; this skips the copies.
+    * otherwise on CPU, many tokens (prefill): token-expert pairs sorted by expert into
+      blocks of ``_MOE_BLOCK`` rows, each block one expert's (zero-padded), run as a
+      ``lax.scan`` over blocks: about ``N * top_k`` rows of work instead of ``N * E``.
+    * otherwise on CPU, few tokens: every expert on every token, weighted by the (mostly
+      zero) routing weights. XLA:CPU lowers ``ragged_dot`` to this same dense product anyway,
+      after copying the transposed expert weights on every call; this skips the copies.
     * otherwise (GPU / TPU): tokens sorted by expert and grouped matmuls (``ragged_dot``).
     """
     N, D = x.shape
@@ -257,6 +300,8 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
              * jnp.einsum("nd,nkid->nki", x, w3[idx]))
         ys = jnp.einsum("nki,nkdi->nkd", h, w2[idx])
         out = jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+    elif jax.default_backend() == "cpu" and _moe_blocks(N * k, E) * _MOE_BLOCK * 2 <= N * E:
+        out = _blocked_experts(x, idx, weights, w1, w2, w3)
     elif jax.default_backend() == "cpu":
         # Shapes chosen so that no expert weight is transposed (copied) per call: w1 / w3 as
         # one [E*I, D] matrix, w2 batched over experts with its own [D, I] layout.
