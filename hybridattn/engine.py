@@ -191,7 +191,8 @@ class Engine:
             request at full context.
         chunked_prefill_size: prompt tokens per step (long prompts span several steps).
         request_buckets, token_buckets, kv_buckets: shape buckets of the padded batches
-            (defaults: powers of two); the step compiles once per bucket tuple used.
+            (defaults: powers of four, ending at the largest size needed); the step compiles
+            once per bucket tuple used.
         chunk_size: the KDA prefill chunk. dtype: the pools' dtype.
     """
 
@@ -213,7 +214,7 @@ class Engine:
         seed: int = 0,
     ):
         if max_context_len is None:
-            max_context_len = min(config.max_position_embeddings or 4096, 4096)
+            max_context_len = min(config.model_max_length or 4096, 4096)
         for name, v in (("max_running_requests", max_running_requests),
                         ("max_context_len", max_context_len),
                         ("chunked_prefill_size", chunked_prefill_size)):
@@ -261,14 +262,18 @@ class Engine:
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
         )
         R = self.max_running_requests
-        max_t = min(chunked_prefill_size, max_context_len) + R
+        max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
         self.request_buckets = tuple(request_buckets or _ladder(1, R))
         self.token_buckets = tuple(token_buckets or _ladder(16, max_t))
         self.kv_buckets = tuple(kv_buckets or _ladder(64, max_context_len))
         for name, bk in (("request_buckets", self.request_buckets),
                          ("token_buckets", self.token_buckets), ("kv_buckets", self.kv_buckets)):
-            if list(bk) != sorted(set(bk)) or bk[0] < 1:
+            if (not all(isinstance(b, int) and not isinstance(b, bool) for b in bk)
+                    or list(bk) != sorted(set(bk)) or bk[0] < 1):
                 raise ValueError(f"{name}={bk} must be increasing positive ints")
+        if self.kv_buckets[-1] > max_context_len:
+            raise ValueError(f"kv_buckets={self.kv_buckets} must not exceed max_context_len="
+                             f"{max_context_len}")
         if self.request_buckets[-1] < R:
             raise ValueError(f"request_buckets={self.request_buckets} must reach "
                              f"max_running_requests={R}")
@@ -321,12 +326,19 @@ class Engine:
             i = int(np.argmax(bad))
             raise ValueError(f"prompt token {i} is {int(ids[i])}, outside the vocabulary "
                              f"[0, {V})")
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+                or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        for name, v in (("top_k", top_k), ("seed", seed)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise ValueError(f"{name}={v!r} must be an int")
         sampling = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed))
         sampling.check()
+        stops = np.asarray(list(stop_token_ids) if stop_token_ids is not None else [], np.int64)
+        if stops.ndim != 1 or ((stops < 0) | (stops >= V)).any():
+            raise ValueError(f"stop_token_ids={stop_token_ids!r} must be token ids in [0, {V})")
         req = _Request(self._next_rid, ids.tolist(), int(max_new_tokens), sampling,
-                       frozenset(int(t) for t in stop_token_ids or ()), time.perf_counter())
+                       frozenset(stops.tolist()), time.perf_counter())
         if req.need > self.max_context_len:
             raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} "
                              f"needs a context of {req.need} tokens, more than max_context_len="
@@ -337,6 +349,19 @@ class Engine:
         self._next_rid += 1
         self._waiting.append(req)
         return req.rid
+
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` (waiting or running; its slots are released at once). Returns
+        whether it was still unfinished."""
+        for r in self._waiting:
+            if r.rid == rid:
+                self._waiting.remove(r)
+                return True
+        for r in self._running:
+            if r.rid == rid:
+                self._finish([r])
+                return True
+        return False
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -374,7 +399,7 @@ class Engine:
         if not prefilling:
             return ForwardMode.DECODE, [(r, [r.tokens[r.computed]]) for r in decoding]
         work = [(r, [r.tokens[r.computed]]) for r in decoding]
-        budget = self.chunked_prefill_size
+        budget = min(self.chunked_prefill_size, self.token_buckets[-1] - len(decoding))
         for r in prefilling:
             if budget <= 0:
                 break
@@ -487,29 +512,30 @@ class Engine:
         """Serve ``prompts`` and yield ``(prompt index, token)`` as tokens are generated.
         Request ``i`` samples with seed ``seed + i``. All prompts are validated first."""
         rids = {}
-        pending = [(list(map(int, np.asarray(p).ravel())) if np.asarray(p).size else [])
-                   for p in prompts]
-        checked = []
-        for i, p in enumerate(pending):
+        for i, p in enumerate(prompts):  # validate every prompt before queueing any
             try:
-                self._validate_only(p, max_new_tokens, temperature, top_k, top_p, seed + i)
+                self._validate_only(p, max_new_tokens, temperature, top_k, top_p, seed + i,
+                                    stop_token_ids)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            checked.append(p)
-        for i, p in enumerate(checked):
+        for i, p in enumerate(prompts):
             rids[self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, seed=seed + i,
                                   stop_token_ids=stop_token_ids)] = i
         left = set(rids)
         total = len(rids) * max_new_tokens
-        while left:
-            for rid, tok, finished in self.step():
-                if rid in rids:
-                    yield rids[rid], tok
-                    if finished:
-                        left.discard(rid)
-            if progress:
-                _progress(total - self._remaining(left), total)
+        try:
+            while left:
+                for rid, tok, finished in self.step():
+                    if rid in rids:
+                        yield rids[rid], tok
+                        if finished:
+                            left.discard(rid)
+                if progress:
+                    _progress(total - self._remaining(left), total)
+        finally:  # the consumer stopped early (or a step raised): free what is left
+            for rid in left:
+                self.abort(rid)
         if progress:
             print(file=sys.stderr)
 
@@ -520,10 +546,11 @@ class Engine:
                 left += r.max_new_tokens - len(r.output)
         return left
 
-    def _validate_only(self, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    def _validate_only(self, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                       stop_token_ids) -> None:
         rid, waiting = self._next_rid, len(self._waiting)
         self.add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, seed=seed)
+                         top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
         self._waiting.pop()
         self._next_rid = rid
         assert len(self._waiting) == waiting

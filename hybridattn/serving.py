@@ -17,8 +17,12 @@ One step, all inside one ``jax.jit``::
 Sampling is per request (greedy when ``temperature == 0``, else temperature, top-k, top-p) and
 reproducible: the key of a request's token at position ``p`` is derived from the state's base
 key, the request's ``seed`` and ``p`` only, so a request samples the same tokens whichever
-other requests share its batches. The step composes: ``decode_steps`` runs N decode steps in a
-``lax.scan``, and users may write their own loops around :func:`step` the same way.
+other requests share its batches (up to floating-point rounding: a step's shapes choose the
+kernels, so logits agree to ~1e-6, and a near-tie may break either way). Requests with equal
+seeds and prompts sample alike; give them different seeds for different samples.
+
+The step composes: ``decode_steps`` runs N decode steps in a ``lax.scan``, and users may write
+their own loops around :func:`step` the same way.
 
 Request rows are allocated by the host (:func:`hybridattn.pools.alloc_reqs_or_raise` on
 ``state.req_to_token_pool``) and released with :func:`release`, which frees a request's token
@@ -95,6 +99,10 @@ class ServingState:
         ``dtype`` is the MLA latent and conv-state dtype (KDA states are always float32);
         ``chunk_size`` is the KDA prefill chunk."""
         kimi_linear._check_supported(config)
+        if not config.kda_layer_ids or not config.full_attention_layer_ids:
+            raise ValueError(
+                f"ServingState serves hybrid models: KDA layers {config.kda_layer_ids} and MLA "
+                f"layers {config.full_attention_layer_ids} must both be non-empty")
         req = HybridReqToTokenPool.create(max_running_requests, max_context_len)
         H, Dk = config.linear_num_heads, config.linear_head_dim
         kv = MLATokenPool.create(
@@ -231,6 +239,9 @@ def make_worker_batch(
     seen: set[int] = set()
     for n, it in enumerate(items):
         ids = np.asarray(it.token_ids)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"request {n} (row {it.req_index}): token ids must be ints, got "
+                             f"dtype {ids.dtype}")
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"request {n} (row {it.req_index}): token_ids must be a non-empty "
                              f"list of ints, got shape {ids.shape}")
@@ -293,8 +304,9 @@ def make_worker_batch(
 
 class StepOutput(NamedTuple):
     """What a step returns besides the new state: per request the sampled next token and the
-    last new token's logits (float32), and ``ok`` (False: the token slots ran out, nothing ran
-    and the state came back unchanged)."""
+    last new token's logits (float32), and ``ok``. ``ok`` False: the token slots ran out or the
+    batch did not fit its buckets / named a free row; every request ran as padding, so only
+    the slot-0 sinks changed, the tokens are 0 and the logits meaningless."""
 
     next_token_ids: Int[Array, " B"]
     logits: Float[Array, "B V"]
@@ -333,7 +345,8 @@ def sample(
         rank = jnp.arange(V)[None]
         keep = (top_ks[:, None] <= 0) | (rank < top_ks[:, None])
         probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]  # rank 0 always kept
+        # rank 0 always kept; top_p == 1 keeps everything (the f32 running sum may round)
+        keep &= ((jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]) | (top_ps[:, None] >= 1)
         # back to vocabulary order, so that a row without filters draws exactly as plain()
         keep = jnp.zeros_like(keep).at[jnp.arange(B)[:, None], order].set(keep)
         masked = jnp.where(keep, logits / temps, -jnp.inf)
@@ -367,16 +380,39 @@ def request_keys(base: jax.Array, seeds: Int[Array, " B"], positions: Int[Array,
 
 
 def _token_layout(batch: ModelWorkerBatch):
-    """Per token: ``(request index in the batch, position in its request, is live)``."""
-    T = batch.num_tokens
+    """Per token: ``(request index in the batch, position in its request, is live)``, and per
+    request the index of its last new token.
+
+    EXTEND: tokens are packed request after request (padding at the tail). DECODE: token
+    ``b`` belongs to request ``b`` (padding rows may sit anywhere).
+    """
+    T, B = batch.num_tokens, batch.batch_size
     ext = batch.extend_seq_lens
+    if batch.forward_mode == ForwardMode.DECODE:
+        b = jnp.arange(B, dtype=jnp.int32)
+        return b, (batch.seq_lens - 1).astype(jnp.int32), ext > 0, b
     ends = jnp.cumsum(ext)
     t = jnp.arange(T, dtype=jnp.int32)
-    b = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, batch.batch_size - 1)
+    b = jnp.clip(jnp.searchsorted(ends, t, side="right"), 0, B - 1)
     live = t < ends[-1]
     start = ends[b] - ext[b]
     pos = batch.seq_lens[b] - ext[b] + (t - start)
-    return b, pos.astype(jnp.int32), live
+    return b, pos.astype(jnp.int32), live, jnp.clip(ends - 1, 0, T - 1)
+
+
+def _batch_fits(state: ServingState, batch: ModelWorkerBatch):
+    """Whether every active request of ``batch`` is servable: an allocated row of this pool,
+    lengths within ``kv_width`` / ``max_extend_len``, tokens within ``T``. Checked inside jit
+    (the host builder checks the same with messages); a batch that does not fit fails the
+    step like a full pool does."""
+    pool = state.req_to_token_pool
+    rows, seq, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens
+    num_rows = pool.req_to_token.shape[0]
+    active = (rows > 0) & (ext > 0)
+    row_ok = (rows < num_rows) & (pool.req_to_state[jnp.clip(rows, 0, num_rows - 1)] > 0)
+    each = row_ok & (ext <= seq) & (seq <= batch.kv_width) & (ext <= batch.max_extend_len)
+    return jnp.all(jnp.where(active, each, True)) & (jnp.sum(ext) <= batch.num_tokens) & jnp.all(
+        ext >= 0)
 
 
 def step(params, state: ServingState, batch: ModelWorkerBatch):
@@ -384,25 +420,31 @@ def step(params, state: ServingState, batch: ModelWorkerBatch):
 
     Allocates a token slot for every new token and records it in ``req_to_token``; runs the
     model through the hybrid backend (MLA latents and KDA states written to the pools);
-    samples each request's next token from its last new token's logits. If the token slots run
-    out, ``ok`` is False, no token runs and the state comes back unchanged.
+    samples each request's next token from its last new token's logits. Rows with no new
+    token are padding. If the token slots run out, or the batch names a row that is not
+    allocated or a length beyond its buckets, ``ok`` is False: every request runs as padding,
+    so only the slot-0 sinks are written and every live slot is unchanged.
     """
     cfg = state.config
     T = batch.num_tokens
-    n_new = jnp.sum(batch.extend_seq_lens)
-    allocator, slots, ok = alloc(state.token_allocator, n_new, max_count=T)
-    # A failed allocation turns every request into padding: row 0, state slot 0, token slot 0
-    # (the sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
-    req_rows = jnp.where(ok, batch.req_pool_indices, 0)
-    b, pos, live = _token_layout(batch)
+    ext = batch.extend_seq_lens
+    n_new = jnp.sum(ext)
+    fits = _batch_fits(state, batch)
+    allocator, slots, ok = alloc(state.token_allocator, jnp.where(fits, n_new, -1), max_count=T)
+    # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
+    # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
+    req_rows = jnp.where(ok & (ext > 0), batch.req_pool_indices, 0)
+    b, pos, live, last = _token_layout(batch)
     live = live & ok
+    if batch.forward_mode == ForwardMode.DECODE:  # slots come packed: spread them to the rows
+        slots = jnp.where(live, slots[jnp.clip(jnp.cumsum(live) - 1, 0, T - 1)], 0)
     req_pool = write_token_slots(state.req_to_token_pool, jnp.where(live, req_rows[b], 0), pos,
                                  slots, live)
     fb = ForwardBatch(
         input_ids=batch.input_ids,
         req_pool_indices=req_rows,
         seq_lens=batch.seq_lens,
-        extend_seq_lens=batch.extend_seq_lens,
+        extend_seq_lens=ext,
         out_cache_loc=slots,
         req_to_token_pool=req_pool,
         token_to_kv_pool=state.token_to_kv_pool,
@@ -413,11 +455,10 @@ def step(params, state: ServingState, batch: ModelWorkerBatch):
     )
     backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
     hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
-    last = jnp.clip(jnp.cumsum(batch.extend_seq_lens) - 1, 0, T - 1)
     logits = kimi_linear.compute_logits(params, cfg, hidden[last])
     keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
     tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
-    tokens = jnp.where(ok & (batch.extend_seq_lens > 0), tokens, 0)
+    tokens = jnp.where(ok & (ext > 0), tokens, 0)
     new = state.replace(
         req_to_token_pool=fb.req_to_token_pool,
         token_allocator=allocator,
@@ -449,12 +490,19 @@ def release(
     state: ServingState, req_pool_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
 ) -> ServingState:
     """Free finished requests: every token slot recorded in their rows of ``req_to_token``,
-    their rows and their recurrent-state slots. Row 0 is ignored. Pure."""
+    their rows and their recurrent-state slots. Row 0, rows not in use and repeats are
+    ignored. Pure."""
     pool = state.req_to_token_pool
-    rows = jnp.clip(req_pool_indices, 0, pool.req_to_token.shape[0] - 1)
-    keep = req_pool_indices > 0
+    num_rows = pool.req_to_token.shape[0]
+    rows = jnp.clip(req_pool_indices, 0, num_rows - 1)
+    B = rows.shape[0]
+    cand = (req_pool_indices > 0) & (req_pool_indices < num_rows)
     if mask is not None:
-        keep = keep & mask
+        cand = cand & mask
+    same = (req_pool_indices[:, None] == req_pool_indices[None, :]) & cand[None, :]
+    first = jnp.argmax(same, axis=1) == jnp.arange(B)
+    # only rows in use (their state slot is set), each once: releasing twice is a no-op
+    keep = cand & first & (pool.req_to_state[rows] > 0)
     slots = pool.req_to_token[rows]  # [B, L]; unused positions hold 0, which free ignores
     allocator = free(state.token_allocator, slots.reshape(-1),
                      jnp.repeat(keep, slots.shape[1]))

@@ -372,3 +372,121 @@ def test_sampling_keys_depend_on_seed_and_position_only():
     k2 = S.request_keys(base, jnp.array([9, 3]), jnp.array([1, 10]))
     assert (jax.random.key_data(k1[0]) == jax.random.key_data(k2[1])).all()
     assert not (jax.random.key_data(k1[0]) == jax.random.key_data(k1[1])).all()
+
+
+# --------------------------------------------------------------------------------------------
+# review findings: layouts, bad batches, repeats, aborts
+# --------------------------------------------------------------------------------------------
+
+
+def _prefilled(n=2):
+    """A state with ``n`` requests prefilled (prompts of 11, 30, ... tokens) and their next
+    tokens."""
+    state, rows = _state_with_rows(n)
+    prompts = prompts_of([11, 30, 7][:n], seed=9)
+    wb = S.make_worker_batch([S.WorkItem(r, 0, p) for r, p in zip(rows, prompts, strict=True)],
+                             vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4,
+                             num_tokens=80, kv_width=96, max_extend_len=80)
+    state, out = _step(PARAMS, state, wb)
+    return state, rows, [len(p) for p in prompts], [int(t) for t in out.next_token_ids[:n]]
+
+
+def _decode_batch(rows, lens, toks, order):
+    """DECODE batch with request ``i`` at batch row ``order[i]`` (others padding)."""
+    B = 4
+    ids, req, seq, ext = (np.zeros(B, np.int32) for _ in range(4))
+    for i, b in enumerate(order):
+        ids[b], req[b], seq[b], ext[b] = toks[i], rows[i], lens[i] + 1, 1
+    return S.ModelWorkerBatch(
+        input_ids=jnp.asarray(ids), req_pool_indices=jnp.asarray(req),
+        seq_lens=jnp.asarray(seq), extend_seq_lens=jnp.asarray(ext),
+        temperatures=jnp.zeros(B), top_ks=jnp.zeros(B, jnp.int32), top_ps=jnp.ones(B),
+        seeds=jnp.zeros(B, jnp.int32), kv_width=96, max_extend_len=1,
+        forward_mode=ForwardMode.DECODE)
+
+
+def test_decode_padding_rows_anywhere():
+    state, rows, lens, toks = _prefilled()
+    s1, packed = _step(PARAMS, state, _decode_batch(rows, lens, toks, [0, 1]))
+    s2, spread = _step(PARAMS, state, _decode_batch(rows, lens, toks, [0, 2]))
+    assert bool(packed.ok) and bool(spread.ok)
+    np.testing.assert_allclose(np.asarray(spread.logits[jnp.array([0, 2])]),
+                               np.asarray(packed.logits[:2]), atol=1e-5)
+    for r, n in zip(rows, lens, strict=True):  # each request's new slot holds its own latent
+        for s in (s1, s2):
+            slot = int(s.req_to_token_pool.req_to_token[r, n])
+            assert slot > 0
+        c1 = s1.token_to_kv_pool.c_kv[0][int(s1.req_to_token_pool.req_to_token[r, n])]
+        c2 = s2.token_to_kv_pool.c_kv[0][int(s2.req_to_token_pool.req_to_token[r, n])]
+        np.testing.assert_allclose(np.asarray(c1), np.asarray(c2), atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["free_row", "row_out_of_range", "past_kv_width"])
+def test_a_batch_that_does_not_fit_fails_the_step_and_changes_nothing_live(bad):
+    state, rows, lens, toks = _prefilled()
+    batch = _decode_batch(rows, lens, toks, [0, 1])
+    if bad == "free_row":
+        batch = batch.replace(req_pool_indices=batch.req_pool_indices.at[1].set(3))
+    elif bad == "row_out_of_range":
+        batch = batch.replace(req_pool_indices=batch.req_pool_indices.at[1].set(9))
+    else:
+        batch = batch.replace(seq_lens=batch.seq_lens.at[1].set(97))
+    new, out = _step(PARAMS, state, batch)
+    assert not bool(out.ok) and int(out.next_token_ids.max()) == 0
+    assert int(new.token_allocator.num_free) == int(state.token_allocator.num_free)
+    np.testing.assert_array_equal(np.asarray(new.req_to_token_pool.req_to_token),
+                                  np.asarray(state.req_to_token_pool.req_to_token))
+    for a, b in zip(new.recurrent_state_pool.ssm, state.recurrent_state_pool.ssm, strict=True):
+        np.testing.assert_array_equal(np.asarray(a[1:]), np.asarray(b[1:]))  # all but the sink
+
+
+def test_release_twice_is_a_no_op():
+    state, rows, _, _ = _prefilled()
+    rel = jax.jit(S.release)
+    once = rel(state, jnp.array([rows[0], 0, 0, 0]))
+    twice = rel(once, jnp.array([rows[0], rows[0], 0, 0]))
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
+        if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(twice.req_to_token_pool.allocator.num_free) == 3  # 4 rows, one still in use
+
+
+def test_engine_defaults_and_bucket_checks():
+    eng = Engine(CFG, PARAMS, max_running_requests=4, num_token_slots=4 * 4096 + 1)
+    assert eng.max_context_len == min(CFG.model_max_length, 4096)
+    long_chunks = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=64,
+                         num_token_slots=257, chunked_prefill_size=256)
+    assert long_chunks.token_buckets[-1] >= 256 + 4  # several prompts can share a step
+    with pytest.raises(ValueError, match="must not exceed max_context_len=96"):
+        engine(kv_buckets=(32, 128))
+    with pytest.raises((ValueError, TypeError), match=r"80\.5"):  # TypeError: jaxtyping hook
+        engine(kv_buckets=(80.5, 96))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=2.5), r"top_k\W+2\.5"), (dict(seed=1.5), r"seed\W+1\.5"),
+    (dict(max_new_tokens=True), "max_new_tokens=True"),
+    (dict(stop_token_ids=[CFG.vocab_size]), "stop_token_ids"),
+])
+def test_add_request_rejects_loose_values(kwargs, match):
+    # TypeError where the test suite's jaxtyping/beartype hook checks the annotations first
+    eng = engine()
+    kw = dict(max_new_tokens=3) | kwargs
+    with pytest.raises((ValueError, TypeError), match=match):
+        eng.add_request([1, 2], kw.pop("max_new_tokens"), **kw)
+    with pytest.raises((ValueError, TypeError), match=r"ints|prompt"):
+        eng.add_request([1.5, 2.0], 3)
+    assert not eng.has_unfinished()
+
+
+def test_abandoned_stream_and_abort_free_everything():
+    eng = engine()
+    for _ in eng.stream(prompts_of([20, 5, 9, 30, 12, 3], seed=6), 6):
+        break  # the consumer walks away after the first token
+    assert not eng.has_unfinished()
+    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    rid = eng.add_request(prompts_of([10])[0], 5)
+    eng.step()
+    assert eng.abort(rid) and not eng.abort(rid)
+    assert int(eng.state.req_to_token_pool.allocator.num_free) == 8
+    assert int(eng.state.token_allocator.num_free) == eng.capacity
