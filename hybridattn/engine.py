@@ -129,8 +129,14 @@ class MemoryReport:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since the engine was built (compilations: traces of the engine's jitted
-    functions, one per new shape bucket)."""
+    """Counters since the engine was built (or :meth:`Engine.reset_stats`).
+
+    Steps that compiled are left out of the throughput figures. ``prefill_*``: steps that ran
+    prompt tokens (decodes riding along in the same mixed step are not counted as tokens, but
+    their time is here); ``decode_*``: pure decode steps. ``num_compilations``: traces of the
+    engine's jitted functions (the step, one per new shape bucket, plus row allocation and
+    release). ``ttft``: seconds from ``add_request`` to the first token, per request.
+    """
 
     steps: int = 0
     prefill_tokens: int = 0
