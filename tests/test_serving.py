@@ -490,3 +490,16 @@ def test_abandoned_stream_and_abort_free_everything():
     assert eng.abort(rid) and not eng.abort(rid)
     assert int(eng.state.req_to_token_pool.allocator.num_free) == 8
     assert int(eng.state.token_allocator.num_free) == eng.capacity
+
+
+def test_demo_serves_a_checkpoint_directory(checkpoint, capsys, monkeypatch):
+    from hybridattn import demo
+
+    monkeypatch.setenv("HYBRIDATTN_JAX_CACHE", "0")  # keep the suite's compilation cache
+
+    rc = demo.main(["--model", str(checkpoint), "--requests", "3", "--max-new-tokens", "3",
+                    "--min-prompt", "2", "--max-prompt", "20", "--max-running", "2",
+                    "--chunked-prefill", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"checkpoint {checkpoint}" in out and "9/9 tokens match: OK" in out
