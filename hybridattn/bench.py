@@ -383,6 +383,9 @@ def _print_serve(res: dict) -> None:
               f"({row['decode_floor_bytes'] / 1e6:.1f} MB/step)")
         print(f"{row['batch_size']:>3} | ours compiled {ours['compilations']} times in "
               f"{ours['compile_s']:.1f} s")
+    print("note: MLX's Linux CPU wheel links a slow reference BLAS, so mlx-lm's matmuls are slow "
+          "here;\nthe 'floor' rows (bytes of weights + state one decode step must read, over the "
+          "measured\nbandwidth) are the hardware bound to read our decode step against.")
 
 
 def main(argv: list[str] | None = None) -> int:
