@@ -321,6 +321,15 @@ class Engine:
     ) -> int:
         """Queue a request; returns its id. Raises ``ValueError`` naming the bad value, and
         then nothing has changed."""
+        req = self._make_request(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                 stop_token_ids)
+        self._next_rid += 1
+        self._waiting.append(req)
+        return req.rid
+
+    def _make_request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                      stop_token_ids) -> _Request:
+        """A validated request with the next id (nothing queued)."""
         ids = np.asarray(prompt)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"prompt must be a non-empty list of token ids, got {prompt!r}")
@@ -352,9 +361,7 @@ class Engine:
         if req.need > self.capacity:
             raise ValueError(f"the request needs {req.need} token slots, more than the pool "
                              f"holds ({self.capacity})")
-        self._next_rid += 1
-        self._waiting.append(req)
-        return req.rid
+        return req
 
     def abort(self, rid: int) -> bool:
         """Drop request ``rid`` (waiting or running; its slots are released at once). Returns
@@ -520,8 +527,8 @@ class Engine:
         rids = {}
         for i, p in enumerate(prompts):  # validate every prompt before queueing any
             try:
-                self._validate_only(p, max_new_tokens, temperature, top_k, top_p, seed + i,
-                                    stop_token_ids)
+                self._make_request(p, max_new_tokens, temperature, top_k, top_p, seed + i,
+                                   stop_token_ids)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         for i, p in enumerate(prompts):
@@ -551,15 +558,6 @@ class Engine:
             if r.rid in rids:
                 left += r.max_new_tokens - len(r.output)
         return left
-
-    def _validate_only(self, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                       stop_token_ids) -> None:
-        rid, waiting = self._next_rid, len(self._waiting)
-        self.add_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
-        self._waiting.pop()
-        self._next_rid = rid
-        assert len(self._waiting) == waiting
 
     def generate(
         self,
