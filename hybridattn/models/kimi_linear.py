@@ -81,87 +81,38 @@ def _check_supported(config: KimiLinearConfig) -> None:
 
 
 def init_params(config: KimiLinearConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random parameters in the checkpoint layout (normal(0, 0.02) weights, unit norms,
-    ``A_log = log(U(1, 16))`` as mlx-lm initialises it).
+    """Random parameters in the checkpoint layout (the tree of :func:`param_shapes`):
+    normal(0, 0.02) weights, unit norms, conv weights normal(0, 0.3), ``dt_bias`` normal(0,
+    0.5), router bias normal(0, 0.1) and ``A_log = log(U(1, 16))`` as mlx-lm initialises it.
+    Drawn on the host with NumPy (no compilation).
 
     >>> cfg = KimiLinearConfig.tiny()
     >>> p = init_params(cfg, jax.random.key(0))
     >>> p["model"]["layers"][0]["self_attn"]["q_conv1d"]["weight"].shape
     (64, 1, 4)
     """
-    _check_supported(config)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
-    D = config.hidden_size
 
-    def w(*shape, std=0.02):
-        return jnp.asarray(std * rng.standard_normal(shape, np.float32), dtype)
-
-    def lin(out_dim, in_dim):
-        return {"weight": w(out_dim, in_dim)}
-
-    def norm(n):
-        return {"weight": jnp.ones((n,), dtype)}
-
-    def mlp(inter):
-        return {"gate_proj": lin(inter, D), "up_proj": lin(inter, D), "down_proj": lin(D, inter)}
-
-    layers = []
-    for i in range(config.num_hidden_layers):
-        if config.is_kda_layer(i):
-            H, Dk = config.linear_num_heads, config.linear_head_dim
-            K = config.linear_conv_kernel_dim
-            attn = {
-                "q_proj": lin(H * Dk, D), "k_proj": lin(H * Dk, D), "v_proj": lin(H * Dk, D),
-                "q_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
-                "k_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
-                "v_conv1d": {"weight": w(H * Dk, 1, K, std=0.3)},
-                "A_log": jnp.log(jnp.asarray(rng.uniform(1.0, 16.0, (1, 1, H, 1)), jnp.float32)),
-                "dt_bias": w(H * Dk, std=0.5).astype(jnp.float32),
-                "f_a_proj": lin(Dk, D), "f_b_proj": lin(H * Dk, Dk),
-                "g_a_proj": lin(Dk, D), "g_b_proj": lin(H * Dk, Dk),
-                "b_proj": lin(H, D),
-                "o_norm": norm(Dk),
-                "o_proj": lin(D, H * Dk),
-            }
+    def draw(name: str, spec: jax.ShapeDtypeStruct):
+        shape, last = spec.shape, name.rsplit(".", 2)
+        if name.endswith("norm.weight"):
+            x = np.ones(shape, np.float32)
+        elif name.endswith("A_log"):
+            x = np.log(rng.uniform(1.0, 16.0, shape))
         else:
-            H = config.num_attention_heads
-            r, dr = config.kv_lora_rank, config.qk_rope_head_dim
-            attn = {
-                "q_proj": lin(H * config.q_head_dim, D),
-                "kv_a_proj_with_mqa": lin(r + dr, D),
-                "kv_a_layernorm": norm(r),
-                "kv_b_proj": lin(H * (config.qk_nope_head_dim + config.v_head_dim), r),
-                "o_proj": lin(D, H * config.v_head_dim),
-            }
-        layer = {
-            "self_attn": attn,
-            "input_layernorm": norm(D),
-            "post_attention_layernorm": norm(D),
-        }
-        if config.is_moe_layer(i):
-            E, inter = config.num_experts, config.moe_intermediate_size
-            moe = {
-                "gate": {"weight": w(E, D),
-                         "e_score_correction_bias": w(E, std=0.1).astype(jnp.float32)},
-                "experts": {"w1": w(E, inter, D), "w2": w(E, D, inter), "w3": w(E, inter, D)},
-            }
-            if config.num_shared_experts:
-                moe["shared_experts"] = mlp(inter * config.num_shared_experts)
-            layer["block_sparse_moe"] = moe
-        else:
-            layer["mlp"] = mlp(config.intermediate_size)
-        layers.append(layer)
+            std = (0.3 if last[-2].endswith("conv1d") else 0.5 if last[-1] == "dt_bias"
+                   else 0.1 if last[-1] == "e_score_correction_bias" else 0.02)
+            x = std * rng.standard_normal(shape, np.float32)
+        return jnp.asarray(x, spec.dtype)
 
-    params = {
-        "model": {
-            "embed_tokens": {"weight": w(config.vocab_size, D)},
-            "layers": layers,
-            "norm": norm(D),
-        }
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = lin(config.vocab_size, D)
-    return params
+    def walk(prefix: str, node):
+        if isinstance(node, dict):
+            return {k: walk(f"{prefix}.{k}" if prefix else k, v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(f"{prefix}.{n}", v) for n, v in enumerate(node)]
+        return draw(prefix, node)
+
+    return walk("", param_shapes(config, dtype))
 
 
 def to_checkpoint(params: Params) -> dict[str, np.ndarray]:
