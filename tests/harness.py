@@ -83,3 +83,17 @@ class Harness:
 
     def absorb(self, fb: ForwardBatch) -> None:
         self.kv, self.st = fb.token_to_kv_pool, fb.recurrent_state_pool
+
+
+def mlx_greedy(model, prompt, n: int) -> list[int]:
+    """``n`` greedy tokens of an mlx-lm model after ``prompt``, with its own fresh cache (the
+    oracle the engine's generation is compared with)."""
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import mlx_greedy as greedy_oracle
 
 from hybridattn import serving as S
 from hybridattn.backend import ForwardMode
@@ -75,13 +76,7 @@ def mlx_greedy(checkpoint):
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
 
     def generate(prompt, n):
-        cache = model.make_cache()
-        logits = model(mx.array([prompt]), cache=cache)
-        out = []
-        for _ in range(n):
-            out.append(int(mx.argmax(logits[0, -1]).item()))
-            logits = model(mx.array([[out[-1]]]), cache=cache)
-        return out
+        return greedy_oracle(model, prompt, n)
 
     return generate
 
