@@ -4,19 +4,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test docs bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mlx,test]'
+	$(PY) -m pip install -q -e '.[mlx,test,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m hybridattn.demo
 
+# The tests, every notebook (nbmake) and a strict build of the documentation site
+# (tests/test_notebooks_and_docs.py), all on two workers.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q tests --nbmake notebooks
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda
@@ -26,4 +31,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check hybridattn mlxcache tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -1,4 +1,4 @@
-"""Every docstring example in hybridattn runs and prints what it says."""
+"""Every docstring example in the API modules runs and prints what it says."""
 
 from __future__ import annotations
 
@@ -7,19 +7,23 @@ import importlib
 
 import pytest
 
-MODULES = [
-    "hybridattn._pytree",
-    "hybridattn.backend",
-    "hybridattn.batch",
-    "hybridattn.config",
-    "hybridattn.models.kimi_linear",
-    "hybridattn.ops",
-    "hybridattn.pools",
-]
+from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API
+
+HYBRIDATTN_MODULES = ["hybridattn", "hybridattn._pytree", *HYBRIDATTN_API]
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_doctests(name):
+def _run(name):
     module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0, f"{result.failed} doctest failures in {name}"
+
+
+@pytest.mark.parametrize("name", HYBRIDATTN_MODULES)
+def test_doctests(name):
+    _run(name)
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("name", ["mlxcache", *MLXCACHE_API])
+def test_mlxcache_doctests(name):
+    _run(name)

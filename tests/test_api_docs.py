@@ -1,0 +1,108 @@
+"""Every public name is documented: a docstring, and for functions and classes a short example.
+
+"Public" is each API module's ``__all__``. A function or class docstring must contain a
+doctest example (``>>>``; ``tests/test_doctests.py`` runs them), and a function whose arguments
+are arrays must say their shapes in its signature with jaxtyping (``Float[Array, "B T H Dk"]``).
+Public methods and properties of public classes need a docstring.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+
+HYBRIDATTN_API = [
+    "hybridattn.ops",
+    "hybridattn.config",
+    "hybridattn.pools",
+    "hybridattn.backend",
+    "hybridattn.batch",
+    "hybridattn.serving",
+    "hybridattn.engine",
+    "hybridattn.models.kimi_linear",
+    "hybridattn.testing",
+]
+MLXCACHE_API = [
+    "mlxcache.pool",
+    "mlxcache.radix",
+    "mlxcache.cache",
+    "mlxcache.engine",
+    "mlxcache.sampling",
+    "mlxcache.testing",
+]
+
+
+def _public(module):
+    assert hasattr(module, "__all__"), f"{module.__name__} has no __all__"
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            yield name, obj
+
+
+def _members(cls):
+    for name, attr in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        fn = attr.__func__ if isinstance(attr, classmethod | staticmethod) else attr
+        if inspect.isfunction(fn) or isinstance(attr, property):
+            yield name, attr
+
+
+def _problems(module_name):
+    module = importlib.import_module(module_name)
+    problems = []
+    for name, obj in _public(module):
+        where = f"{module_name}.{name}"
+        doc = inspect.getdoc(obj) or ""
+        if not doc:
+            problems.append(f"{where}: no docstring")
+        elif ">>>" not in doc and not (inspect.isclass(obj) and issubclass(obj, Exception)):
+            problems.append(f"{where}: no example (>>>) in its docstring")
+        if inspect.isfunction(obj):
+            problems += [f"{where}: {p}" for p in _unshaped(obj)]
+        if inspect.isclass(obj):
+            for member, attr in _members(obj):
+                if not (inspect.getdoc(attr) or "").strip():
+                    problems.append(f"{where}.{member}: no docstring")
+    return problems
+
+
+# An array argument annotated without its shape (``jax.Array`` rather than jaxtyping's
+# ``Float[Array, "B T"]``); the string form, as ``from __future__ import annotations`` keeps it.
+_BARE_ARRAY = re.compile(r"^(jax\.Array|jnp\.ndarray|Array|mx\.array)( \| None)?$")
+
+
+def _unshaped(fn):
+    for name, param in inspect.signature(fn).parameters.items():
+        ann = param.annotation
+        if isinstance(ann, str) and _BARE_ARRAY.match(ann.strip()):
+            yield f"argument {name!r} is annotated {ann!r}: give its shape (jaxtyping)"
+
+
+@pytest.mark.parametrize("module_name", HYBRIDATTN_API)
+def test_hybridattn_public_names_documented(module_name):
+    problems = _problems(module_name)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("module_name", MLXCACHE_API)
+def test_mlxcache_public_names_documented(module_name):
+    problems = _problems(module_name)
+    assert not problems, "\n".join(problems)
+
+
+def test_top_level_names_are_public_names_of_api_modules():
+    import hybridattn
+
+    for name in hybridattn.__all__:
+        obj = getattr(hybridattn, name)
+        if inspect.ismodule(obj):
+            continue
+        home = obj.__module__
+        assert home in HYBRIDATTN_API, f"hybridattn.{name} lives in {home}, not an API module"
+        assert name in importlib.import_module(home).__all__, f"{name} not in {home}.__all__"
