@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests --nbmake notebooks
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda
