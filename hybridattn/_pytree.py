@@ -55,6 +55,7 @@ def pytree_dataclass(static: tuple[str, ...] = ()) -> Callable[[type[T]], type[T
         jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
         def replace(self, **changes):
+            """A copy with the given fields changed (the original is left as it was)."""
             bad = set(changes) - set(names)
             if bad:
                 raise TypeError(f"{cls.__name__} has no fields {sorted(bad)}")
@@ -63,6 +64,7 @@ def pytree_dataclass(static: tuple[str, ...] = ()) -> Callable[[type[T]], type[T
                 object.__setattr__(obj, n, changes.get(n, getattr(self, n)))
             return obj
 
+        replace.__qualname__ = f"{cls.__qualname__}.replace"
         cls.replace = replace
         return cls
 

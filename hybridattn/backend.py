@@ -27,7 +27,7 @@ Batch layouts (static ``forward_mode``):
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +49,36 @@ from hybridattn.pools import (
     set_states,
 )
 
+__all__ = [
+    "ForwardBatch",
+    "ForwardMode",
+    "FullAttnMetadata",
+    "HybridLinearAttentionBackendMetadata",
+    "HybridLinearAttnBackend",
+    "KDAAttnBackend",
+    "LinearAttnMetadata",
+    "MLAAttnBackend",
+    "attn_backend_wrapper",
+    "check_forward_batch",
+]
+
 # Shape aliases used in annotations:
 #   B  requests in the batch (padded rows included)      T  tokens in the batch (padded)
 #   W  page-table width: max keys one request attends   Q  max new tokens of one request
 #   H  attention heads; dn / dr / dv MLA nope / rope / value head dims; r kv_lora_rank
 #   Hk KDA heads; Dk / Dv KDA key / value head dims; Cc conv channels (2 Hk Dk + Hk Dv)
+#   HkDk, HkDv: Hk * Dk and Hk * Dv (KDA projections before the heads are split)
+#
+# The layer methods of the sub-backends are @no_type_check: their annotations document the
+# shapes, and ``_check`` / ``_prepare`` check them with errors that name the layer.
 
 
 class ForwardMode(enum.IntEnum):
-    """What a batch does: ``EXTEND`` (prefill, chunked prefill, mixed) or ``DECODE``."""
+    """What a batch does: ``EXTEND`` (prefill, chunked prefill, mixed) or ``DECODE``.
+
+    >>> ForwardMode.DECODE, ForwardMode(1)
+    (<ForwardMode.DECODE: 2>, <ForwardMode.EXTEND: 1>)
+    """
 
     EXTEND = 1
     DECODE = 2
@@ -74,7 +95,28 @@ class ForwardBatch:
     (static) bounds ``extend_seq_lens``. The host picks both from a few buckets so shapes
     repeat and nothing recompiles. Before the forward, ``req_to_token[req, prefix:seq_len]``
     must hold ``out_cache_loc`` of the request's new tokens (the scheduler writes them when it
-    allocates).
+    allocates). :func:`hybridattn.batch.make_forward_batch` builds one from requests.
+
+    A batch of two requests padded to ``B = 3`` rows and ``T = 6`` tokens: row 1 is new (3
+    tokens in slots 1-3), row 2 has 2 tokens cached (slots 4, 5) and decodes one (slot 6):
+
+    >>> from hybridattn.batch import BatchRequest, make_forward_batch
+    >>> from hybridattn.pools import alloc_reqs_or_raise, write_token_slots
+    >>> cfg = KimiLinearConfig.tiny()
+    >>> req, rows = alloc_reqs_or_raise(HybridReqToTokenPool.create(2, 8), 2)  # rows 1, 2
+    >>> req = write_token_slots(req, jnp.array([1, 1, 1, 2, 2, 2]),
+    ...                         jnp.array([0, 1, 2, 0, 1, 2]), jnp.array([1, 2, 3, 4, 5, 6]))
+    >>> batch = make_forward_batch(
+    ...     [BatchRequest(1, 0, [7, 8, 9], [1, 2, 3]), BatchRequest(2, 2, [10], [6])],
+    ...     req_to_token_pool=req, num_requests=3, num_tokens=6,
+    ...     token_to_kv_pool=MLATokenPool.create((3,), 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+    ...     recurrent_state_pool=RecurrentStatePool.create((0, 1, 2), 3, 3 * 64, 4, 4, 16, 16))
+    >>> batch.batch_size, batch.num_tokens, batch.kv_width, batch.max_extend_len
+    (3, 6, 3, 3)
+    >>> batch.input_ids.tolist(), batch.out_cache_loc.tolist()
+    ([7, 8, 9, 10, 0, 0], [1, 2, 3, 6, 0, 0])
+    >>> batch.seq_lens.tolist(), batch.extend_seq_lens.tolist(), batch.prefix_lens.tolist()
+    ([3, 3, 0], [3, 1, 0], [0, 2, 0])
     """
 
     input_ids: Int[Array, " T"]
@@ -96,10 +138,12 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
+        """``B``: requests in the batch, padding rows included."""
         return self.req_pool_indices.shape[0]
 
     @property
     def num_tokens(self) -> int:
+        """``T``: tokens in the batch, padding tokens included."""
         return self.input_ids.shape[0]
 
 
@@ -107,7 +151,22 @@ def check_forward_batch(batch: ForwardBatch) -> None:
     """Host-boundary validation; raises ``ValueError`` naming the field or value.
 
     Shapes, static sizes and pool sizes are checked always (also while tracing, at no cost);
-    lengths are checked too when the batch holds concrete arrays (outside ``jax.jit``)."""
+    lengths are checked too when the batch holds concrete arrays (outside ``jax.jit``).
+    Every backend's ``get_forward_metadata`` calls it.
+
+    >>> batch = ForwardBatch(
+    ...     input_ids=jnp.array([7, 8, 9]), req_pool_indices=jnp.array([1]),
+    ...     seq_lens=jnp.array([3]), extend_seq_lens=jnp.array([3]),
+    ...     out_cache_loc=jnp.array([1, 2, 3]), kv_width=3, max_extend_len=3,
+    ...     req_to_token_pool=HybridReqToTokenPool.create(1, 8),
+    ...     token_to_kv_pool=MLATokenPool.create((1,), 8, 4, 2),
+    ...     recurrent_state_pool=RecurrentStatePool.create((0,), 2, 12, 4, 1, 4, 4))
+    >>> check_forward_batch(batch)  # fine: returns None
+    >>> check_forward_batch(batch.replace(kv_width=2))
+    Traceback (most recent call last):
+    ...
+    ValueError: request 0 of the batch: seq_lens > kv_width=2 (seq_lens=3, extend_seq_lens=3)
+    """
     B, T = batch.batch_size, batch.num_tokens
     for name in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
         shape = getattr(batch, name).shape
@@ -155,7 +214,19 @@ def check_forward_batch(batch: ForwardBatch) -> None:
 
 @pytree_dataclass(static=("max_extend_len",))
 class FullAttnMetadata:
-    """MLA metadata: per-request lengths, query offsets, token-slot tables, output slots."""
+    """MLA metadata: per-request lengths, query offsets, token-slot tables, output slots.
+
+    :meth:`MLAAttnBackend.get_forward_metadata` builds it. For the batch of
+    :class:`ForwardBatch`'s example (rows 1 and 2 and a padding row; ``W = kv_width = 3``):
+
+    >>> md = FullAttnMetadata(
+    ...     seq_lens=jnp.array([3, 3, 0]), prefix_lens=jnp.array([0, 2, 0]),
+    ...     extend_lens=jnp.array([3, 1, 0]), query_start_loc=jnp.array([0, 3, 4, 4]),
+    ...     page_table=jnp.array([[1, 2, 3], [4, 5, 6], [0, 0, 0]]),  # req_to_token[:, :W]
+    ...     out_cache_loc=jnp.array([1, 2, 3, 6, 0, 0]), max_extend_len=3)
+    >>> md.page_table.shape, md.query_start_loc.shape  # [B, W], [B + 1]
+    ((3, 3), (4,))
+    """
 
     seq_lens: Int[Array, " B"]
     prefix_lens: Int[Array, " B"]
@@ -171,7 +242,19 @@ class LinearAttnMetadata:
     """KDA metadata: packed sequence offsets, recurrent-state slots, has-initial-state flags.
 
     ``cu_seqlens`` has ``B + 2`` entries: the ``B`` requests, then one padding sequence that
-    spans the tail padding tokens (its state goes to the sink slot 0)."""
+    spans the tail padding tokens (its state goes to the sink slot 0).
+
+    :meth:`KDAAttnBackend.get_forward_metadata` builds it. For the batch of
+    :class:`ForwardBatch`'s example (row 1: 3 new tokens; row 2: 2 cached + 1 new; a padding
+    row; ``T = 6``):
+
+    >>> md = LinearAttnMetadata(
+    ...     cu_seqlens=jnp.array([0, 3, 4, 4, 6]),  # tokens 4, 5: the padding sequence
+    ...     state_indices=jnp.array([1, 2, 0]),  # req_to_state of each row
+    ...     has_initial_state=jnp.array([False, True, False]))  # prefix_lens > 0
+    >>> md.cu_seqlens.shape  # [B + 2]
+    (5,)
+    """
 
     cu_seqlens: Int[Array, " Bp2"]
     state_indices: Int[Array, " B"]
@@ -180,7 +263,18 @@ class LinearAttnMetadata:
 
 @pytree_dataclass()
 class HybridLinearAttentionBackendMetadata:
-    """The two sub-backends' metadata, side by side."""
+    """The two sub-backends' metadata, side by side.
+
+    :meth:`HybridLinearAttnBackend.get_forward_metadata` returns one and
+    :meth:`HybridLinearAttnBackend.with_forward_metadata` splits it again (see that class's
+    example). An unbound backend's halves are ``None``:
+
+    >>> cfg = KimiLinearConfig.tiny()
+    >>> backend = attn_backend_wrapper(cfg, MLAAttnBackend.from_config(cfg, 16), num_state_slots=3)
+    >>> md = backend.forward_metadata
+    >>> type(md).__name__, md.full_attn_metadata, md.linear_attn_metadata
+    ('HybridLinearAttentionBackendMetadata', None, None)
+    """
 
     full_attn_metadata: Any
     linear_attn_metadata: Any
@@ -226,6 +320,13 @@ class MLAAttnBackend:
     Layer inputs (``T`` tokens): ``q_nope [T, H, dn]``, ``q_pe [T, H, dr]``, ``c_kv [T, r]``
     (after ``kv_a_layernorm``), ``k_pe [T, dr]``, ``w_kc [H, dn, r]``, ``w_vc [H, dv, r]``
     (``kv_b_proj.weight`` reshaped to ``[H, dn + dv, r]`` and split). Output ``[T, H, dv]``.
+    :class:`HybridLinearAttnBackend`'s example runs a layer.
+
+    >>> mla = MLAAttnBackend.from_config(KimiLinearConfig.tiny(), num_token_slots=1025)
+    >>> mla.layer_ids, mla.num_heads, mla.kv_lora_rank, round(mla.scale, 4)
+    ((3,), 4, 32, 0.2041)
+    >>> mla.get_max_running_requests(max_context_len=256)  # 1024 usable slots / 256
+    4
     """
 
     layer_ids: tuple[int, ...]
@@ -239,6 +340,8 @@ class MLAAttnBackend:
 
     @classmethod
     def from_config(cls, config: KimiLinearConfig, num_token_slots: int) -> MLAAttnBackend:
+        """The backend for ``config``'s MLA layers over ``num_token_slots`` token slots (the
+        sink included), without metadata."""
         return cls(
             layer_ids=tuple(config.full_attention_layer_ids),
             num_heads=config.num_attention_heads,
@@ -251,9 +354,11 @@ class MLAAttnBackend:
 
     @property
     def scale(self) -> float:
+        """The softmax scale, ``(dn + dr) ** -0.5``."""
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
     def get_forward_metadata(self, batch: ForwardBatch) -> FullAttnMetadata:
+        """This backend's metadata for ``batch`` (validated by :func:`check_forward_batch`)."""
         check_forward_batch(batch)
         if batch.token_to_kv_pool.num_slots != self.num_token_slots:
             raise ValueError(f"MLAAttnBackend has num_token_slots={self.num_token_slots} but "
@@ -271,9 +376,11 @@ class MLAAttnBackend:
         )
 
     def with_forward_metadata(self, md: FullAttnMetadata) -> MLAAttnBackend:
+        """A copy bound to ``md``, ready to run the layers of one forward."""
         return self.replace(forward_metadata=md)
 
     def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        """How many requests of ``max_context_len`` tokens the token slots hold at once."""
         usable = (self.num_token_slots - 1) // page_size * page_size
         return usable // max_context_len
 
@@ -309,9 +416,22 @@ class MLAAttnBackend:
         kpe = jnp.where(live, kpe_all[md.page_table].astype(jnp.float32), 0.0)
         return ckv, kpe
 
+    @no_type_check
     def forward_extend(
-        self, layer, batch: ForwardBatch, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc
+        self,
+        layer,
+        batch: ForwardBatch,
+        *,
+        q_nope: Float[Array, "T H dn"],
+        q_pe: Float[Array, "T H dr"],
+        c_kv: Float[Array, "T r"],
+        k_pe: Float[Array, "T dr"],
+        w_kc: Float[Array, "H dn r"],
+        w_vc: Float[Array, "H dv r"],
     ) -> tuple[Float[Array, "T H dv"], ForwardBatch]:
+        """Write the new tokens' latents at ``out_cache_loc``, then attend causally over each
+        request's cached prefix and new tokens. Returns ``(out, batch)``; padding tokens get
+        zeros."""
         layer_id = _layer_id(layer)
         md = self._md()
         T = q_nope.shape[0]
@@ -341,9 +461,21 @@ class MLAAttnBackend:
         packed = jnp.zeros((T,) + out.shape[2:], f32).at[dest].set(out, mode="drop")
         return packed.astype(q_nope.dtype), batch
 
+    @no_type_check
     def forward_decode(
-        self, layer, batch: ForwardBatch, *, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc
+        self,
+        layer,
+        batch: ForwardBatch,
+        *,
+        q_nope: Float[Array, "B H dn"],
+        q_pe: Float[Array, "B H dr"],
+        c_kv: Float[Array, "B r"],
+        k_pe: Float[Array, "B dr"],
+        w_kc: Float[Array, "H dn r"],
+        w_vc: Float[Array, "H dv r"],
     ) -> tuple[Float[Array, "B H dv"], ForwardBatch]:
+        """One new token per request (``T == B``), in absorbed form: attention runs against
+        the latents directly. Returns ``(out, batch)``."""
         layer_id = _layer_id(layer)
         md = self._md()
         self._check(layer_id, q_nope.shape[0], q_nope, q_pe, c_kv, k_pe, w_kc, w_vc)
@@ -362,6 +494,7 @@ class MLAAttnBackend:
         return out.astype(q_nope.dtype), batch
 
     def __call__(self, layer, batch: ForwardBatch, **inputs):
+        """``out, batch = backend(layer, batch, **inputs)``: dispatch on the batch's mode."""
         if batch.forward_mode == ForwardMode.DECODE:
             return self.forward_decode(layer, batch, **inputs)
         return self.forward_extend(layer, batch, **inputs)
@@ -386,6 +519,12 @@ class KDAAttnBackend:
     q/k L2 norm and the recurrence (:func:`kda_chunked` over the packed requests on extend,
     :func:`kda_decode` on decode), reading a request's state from the pool when it has a cached
     prefix and writing every request's final state back. Output ``[T, Hk, Dv]``.
+
+    >>> kda = KDAAttnBackend.from_config(KimiLinearConfig.tiny(), num_state_slots=9)
+    >>> kda.layer_ids, kda.num_heads, kda.head_k_dim, kda.conv_kernel, kda.chunk_size
+    ((0, 1, 2), 4, 16, 4, 32)
+    >>> kda.get_max_running_requests(max_context_len=1_000_000)  # one state slot a request
+    8
     """
 
     layer_ids: tuple[int, ...]
@@ -401,6 +540,8 @@ class KDAAttnBackend:
     def from_config(
         cls, config: KimiLinearConfig, num_state_slots: int, chunk_size: int = 32
     ) -> KDAAttnBackend:
+        """The backend for ``config``'s KDA layers over ``num_state_slots`` state slots (the
+        sink included); ``chunk_size`` is the :func:`kda_chunked` chunk on extend."""
         return cls(
             layer_ids=tuple(config.kda_layer_ids),
             num_heads=config.linear_num_heads,
@@ -412,6 +553,7 @@ class KDAAttnBackend:
         )
 
     def get_forward_metadata(self, batch: ForwardBatch) -> LinearAttnMetadata:
+        """This backend's metadata for ``batch`` (validated by :func:`check_forward_batch`)."""
         check_forward_batch(batch)
         if batch.recurrent_state_pool.num_slots != self.num_state_slots:
             raise ValueError(f"KDAAttnBackend has num_state_slots={self.num_state_slots} but "
@@ -428,9 +570,11 @@ class KDAAttnBackend:
         )
 
     def with_forward_metadata(self, md: LinearAttnMetadata) -> KDAAttnBackend:
+        """A copy bound to ``md``, ready to run the layers of one forward."""
         return self.replace(forward_metadata=md)
 
     def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        """``num_state_slots - 1``: a request's state has the same size at any length."""
         del max_context_len, page_size  # the state is the same size at any context length
         return self.num_state_slots - 1
 
@@ -466,9 +610,23 @@ class KDAAttnBackend:
         k = l2norm(kc.reshape(T, H, Dk).astype(jnp.float32))
         return q, k, vc.reshape(T, H, Dv)
 
+    @no_type_check
     def forward_extend(
-        self, layer, batch: ForwardBatch, *, q, k, v, g, beta, q_conv, k_conv, v_conv
+        self,
+        layer,
+        batch: ForwardBatch,
+        *,
+        q: Float[Array, "T HkDk"],
+        k: Float[Array, "T HkDk"],
+        v: Float[Array, "T HkDv"],
+        g: Float[Array, "T Hk Dk"],
+        beta: Float[Array, "T Hk"],
+        q_conv: Float[Array, "HkDk 1 K"] | Float[Array, "HkDk K"],
+        k_conv: Float[Array, "HkDk 1 K"] | Float[Array, "HkDk K"],
+        v_conv: Float[Array, "HkDv 1 K"] | Float[Array, "HkDv K"],
     ) -> tuple[Float[Array, "T Hk Dv"], ForwardBatch]:
+        """Run the packed requests (short conv, L2 norm, :func:`kda_chunked`), starting from
+        their pooled states where they have a cached prefix: ``(out, batch)``."""
         md = self._md()
         T = q.shape[0]
         layer_id, weight, mixed = self._prepare(layer, T, q, k, v, g, beta, q_conv, k_conv, v_conv)
@@ -485,9 +643,23 @@ class KDAAttnBackend:
         pool = set_states(pool, layer_id, idx, conv1, ssm1)
         return o[0].astype(v.dtype), batch.replace(recurrent_state_pool=pool)
 
+    @no_type_check
     def forward_decode(
-        self, layer, batch: ForwardBatch, *, q, k, v, g, beta, q_conv, k_conv, v_conv
+        self,
+        layer,
+        batch: ForwardBatch,
+        *,
+        q: Float[Array, "B HkDk"],
+        k: Float[Array, "B HkDk"],
+        v: Float[Array, "B HkDv"],
+        g: Float[Array, "B Hk Dk"],
+        beta: Float[Array, "B Hk"],
+        q_conv: Float[Array, "HkDk 1 K"] | Float[Array, "HkDk K"],
+        k_conv: Float[Array, "HkDk 1 K"] | Float[Array, "HkDk K"],
+        v_conv: Float[Array, "HkDv 1 K"] | Float[Array, "HkDv K"],
     ) -> tuple[Float[Array, "B Hk Dv"], ForwardBatch]:
+        """One new token per request (``T == B``) through :func:`kda_decode`:
+        ``(out, batch)``."""
         md = self._md()
         B = q.shape[0]
         layer_id, weight, mixed = self._prepare(layer, B, q, k, v, g, beta, q_conv, k_conv, v_conv)
@@ -501,6 +673,7 @@ class KDAAttnBackend:
         return o.astype(v.dtype), batch.replace(recurrent_state_pool=pool)
 
     def __call__(self, layer, batch: ForwardBatch, **inputs):
+        """``out, batch = backend(layer, batch, **inputs)``: dispatch on the batch's mode."""
         if batch.forward_mode == ForwardMode.DECODE:
             return self.forward_decode(layer, batch, **inputs)
         return self.forward_extend(layer, batch, **inputs)
@@ -531,6 +704,36 @@ class HybridLinearAttnBackend:
 
     Holds no memory and no metadata of its own: :meth:`with_forward_metadata` splits the
     aggregated metadata into the sub-backends, and :attr:`forward_metadata` reads it back.
+
+    One forward, by hand: the batch of :class:`ForwardBatch`'s example, its metadata, and the
+    MLA layer (layer 3 of the tiny config) run on it. The pools come back updated in the batch.
+
+    >>> from hybridattn.batch import BatchRequest, make_forward_batch
+    >>> from hybridattn.pools import alloc_reqs_or_raise, write_token_slots
+    >>> cfg = KimiLinearConfig.tiny()  # layers 0, 1, 2: KDA; layer 3: MLA
+    >>> backend = attn_backend_wrapper(cfg, MLAAttnBackend.from_config(cfg, 16), num_state_slots=3)
+    >>> type(backend.backend_for(3)).__name__, type(backend.backend_for(0)).__name__
+    ('MLAAttnBackend', 'KDAAttnBackend')
+    >>> req, rows = alloc_reqs_or_raise(HybridReqToTokenPool.create(2, 8), 2)  # rows 1, 2
+    >>> req = write_token_slots(req, jnp.array([1, 1, 1, 2, 2, 2]),
+    ...                         jnp.array([0, 1, 2, 0, 1, 2]), jnp.array([1, 2, 3, 4, 5, 6]))
+    >>> batch = make_forward_batch(
+    ...     [BatchRequest(1, 0, [7, 8, 9], [1, 2, 3]), BatchRequest(2, 2, [10], [6])],
+    ...     req_to_token_pool=req, num_requests=3, num_tokens=6,
+    ...     token_to_kv_pool=MLATokenPool.create((3,), 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+    ...     recurrent_state_pool=RecurrentStatePool.create((0, 1, 2), 3, 3 * 64, 4, 4, 16, 16))
+    >>> md = backend.get_forward_metadata(batch)
+    >>> md.full_attn_metadata.page_table.tolist(), md.linear_attn_metadata.cu_seqlens.tolist()
+    ([[1, 2, 3], [4, 5, 6], [0, 0, 0]], [0, 3, 4, 4, 6])
+    >>> bound = backend.with_forward_metadata(md)
+    >>> T, H, r = batch.num_tokens, cfg.num_attention_heads, cfg.kv_lora_rank  # dn=dv=16, dr=8
+    >>> out, batch = bound(3, batch, q_nope=jnp.ones((T, H, 16)), q_pe=jnp.ones((T, H, 8)),
+    ...                    c_kv=jnp.ones((T, r)), k_pe=jnp.ones((T, 8)),
+    ...                    w_kc=jnp.ones((H, 16, r)), w_vc=jnp.ones((H, 16, r)))
+    >>> out.shape  # [T, H, dv]
+    (6, 4, 16)
+    >>> batch.token_to_kv_pool.c_kv[0][:8, 0].tolist()  # slots 1-3 and 6; padding: sink 0
+    [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     """
 
     full_attn_backend: Any
@@ -544,6 +747,7 @@ class HybridLinearAttnBackend:
         object.__setattr__(self, "full_attn_layers", tuple(sorted(layers)))
 
     def get_forward_metadata(self, batch) -> HybridLinearAttentionBackendMetadata:
+        """Both sub-backends' metadata for ``batch``."""
         return HybridLinearAttentionBackendMetadata(
             full_attn_metadata=self.full_attn_backend.get_forward_metadata(batch),
             linear_attn_metadata=self.linear_attn_backend.get_forward_metadata(batch),
@@ -552,6 +756,7 @@ class HybridLinearAttnBackend:
     def with_forward_metadata(
         self, md: HybridLinearAttentionBackendMetadata
     ) -> HybridLinearAttnBackend:
+        """A copy whose sub-backends are bound to their halves of ``md``."""
         if not isinstance(md, HybridLinearAttentionBackendMetadata):
             raise TypeError(f"expected HybridLinearAttentionBackendMetadata, got {type(md)}")
         return self.replace(
@@ -563,6 +768,7 @@ class HybridLinearAttnBackend:
 
     @property
     def forward_metadata(self) -> HybridLinearAttentionBackendMetadata:
+        """The sub-backends' current metadata, side by side (``None`` halves when unbound)."""
         return HybridLinearAttentionBackendMetadata(
             full_attn_metadata=self.full_attn_backend.forward_metadata,
             linear_attn_metadata=self.linear_attn_backend.forward_metadata,
@@ -581,9 +787,11 @@ class HybridLinearAttnBackend:
         return getattr(self.backend_for(layer), method)(layer, batch, **inputs)
 
     def forward_extend(self, layer, batch, **inputs):
+        """The ``forward_extend`` of the sub-backend that serves ``layer``."""
         return self._dispatch("forward_extend", layer, batch, **inputs)
 
     def forward_decode(self, layer, batch, **inputs):
+        """The ``forward_decode`` of the sub-backend that serves ``layer``."""
         return self._dispatch("forward_decode", layer, batch, **inputs)
 
     def __call__(self, layer, batch, **inputs):
@@ -593,6 +801,7 @@ class HybridLinearAttnBackend:
         return self.forward_extend(layer, batch, **inputs)
 
     def get_max_running_requests(self, max_context_len: int, page_size: int = 1) -> int:
+        """The smaller of the two sub-backends' limits."""
         return min(
             self.full_attn_backend.get_max_running_requests(max_context_len, page_size),
             self.linear_attn_backend.get_max_running_requests(max_context_len, page_size),
@@ -613,6 +822,17 @@ def attn_backend_wrapper(
     ``linear_attn_backend`` or a :class:`KDAAttnBackend` built from ``config`` (then
     ``num_state_slots`` is required) and whose ``full_attn_layers`` come from ``config``.
     A config without KDA layers gets ``full_attn_backend`` back unchanged.
+
+    >>> cfg = KimiLinearConfig.tiny()
+    >>> mla = MLAAttnBackend.from_config(cfg, num_token_slots=64)
+    >>> backend = attn_backend_wrapper(cfg, mla, num_state_slots=9)
+    >>> type(backend).__name__, backend.full_attn_layers, backend.backend_for(0).num_state_slots
+    ('HybridLinearAttnBackend', (3,), 9)
+    >>> backend.get_max_running_requests(max_context_len=16)  # min(63 // 16, 9 - 1)
+    3
+    >>> all_mla = KimiLinearConfig.tiny(full_attention_layer_ids=(0, 1, 2, 3))
+    >>> attn_backend_wrapper(all_mla, mla) is mla  # no KDA layers: nothing to wrap
+    True
     """
     if not config.kda_layer_ids:
         return full_attn_backend

@@ -16,11 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridattn.backend import ForwardBatch, ForwardMode, check_forward_batch
+from hybridattn.pools import HybridReqToTokenPool, MLATokenPool, RecurrentStatePool
+
+__all__ = ["BatchRequest", "make_forward_batch"]
 
 
 class BatchRequest(NamedTuple):
     """One request's share of a forward: row ``req_index``, ``prefix_len`` tokens already
-    cached, new ``token_ids`` at positions ``prefix_len ...`` stored in ``slots``."""
+    cached, new ``token_ids`` at positions ``prefix_len ...`` stored in ``slots``.
+
+    >>> r = BatchRequest(req_index=1, prefix_len=4, token_ids=[7], slots=[12])  # one decode
+    >>> r.prefix_len + len(r.token_ids)  # the request's length after the forward
+    5
+    """
 
     req_index: int
     prefix_len: int
@@ -31,9 +39,9 @@ class BatchRequest(NamedTuple):
 def make_forward_batch(
     requests: Sequence[BatchRequest],
     *,
-    req_to_token_pool,
-    token_to_kv_pool,
-    recurrent_state_pool,
+    req_to_token_pool: HybridReqToTokenPool,
+    token_to_kv_pool: MLATokenPool,
+    recurrent_state_pool: RecurrentStatePool,
     forward_mode: ForwardMode = ForwardMode.EXTEND,
     num_requests: int | None = None,
     num_tokens: int | None = None,
@@ -47,6 +55,28 @@ def make_forward_batch(
     Raises ``ValueError`` naming the request when its tokens and slots disagree, a row or slot
     is out of range, the padding sink or used twice, a decode request has more than one
     token, a request outgrows ``max_context_len``, or the batch does not fit the buckets.
+
+    Two requests, padded to ``B = 3`` rows and ``T = 8`` tokens: row 1 is new (3 tokens), row
+    2 has 4 tokens cached and decodes one more. The scheduler has already allocated the rows
+    and token slots and written the slots into ``req_to_token``:
+
+    >>> from hybridattn import pools
+    >>> req, rows = pools.alloc_reqs_or_raise(pools.HybridReqToTokenPool.create(2, 16), 2)
+    >>> req = pools.write_token_slots(req, jnp.array([1, 1, 1, 2, 2, 2, 2, 2]),
+    ...                               jnp.array([0, 1, 2, 0, 1, 2, 3, 4]),
+    ...                               jnp.array([1, 2, 3, 4, 5, 6, 7, 8]))
+    >>> kv = pools.MLATokenPool.create((1,), 32, kv_lora_rank=8, qk_rope_head_dim=4)
+    >>> st = pools.RecurrentStatePool.create((0,), 3, 12, 4, 1, 4, 4)
+    >>> batch = make_forward_batch(
+    ...     [BatchRequest(1, 0, [11, 12, 13], [1, 2, 3]), BatchRequest(2, 4, [14], [8])],
+    ...     req_to_token_pool=req, token_to_kv_pool=kv, recurrent_state_pool=st,
+    ...     num_requests=3, num_tokens=8)
+    >>> batch.input_ids.tolist(), batch.out_cache_loc.tolist()  # padding tokens: slot 0
+    ([11, 12, 13, 14, 0, 0, 0, 0], [1, 2, 3, 8, 0, 0, 0, 0])
+    >>> batch.req_pool_indices.tolist(), batch.seq_lens.tolist(), batch.prefix_lens.tolist()
+    ([1, 2, 0], [3, 5, 0], [0, 4, 0])
+    >>> batch.kv_width, batch.max_extend_len  # defaults: the longest request, most new tokens
+    (5, 3)
     """
     if not requests:
         raise ValueError("make_forward_batch needs at least one request")

@@ -175,10 +175,12 @@ class KimiLinearConfig:
 
     @property
     def num_kda_layers(self) -> int:
+        """Number of KDA (linear-attention) layers."""
         return len(self.kda_layer_ids)
 
     @property
     def num_mla_layers(self) -> int:
+        """Number of MLA (full-attention) layers."""
         return len(self.full_attention_layer_ids)
 
     @property
@@ -240,6 +242,10 @@ class KimiLinearConfig:
         top-2, one shared). Overriding ``num_hidden_layers`` re-derives the pattern (every 4th
         layer, 1-indexed, and the last are MLA, as in the 27-layer release) unless layer ids
         are given; given only one of the two id tuples, the other is its complement.
+
+        >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=6, num_experts=0)
+        >>> cfg.full_attention_layer_ids, cfg.num_kda_layers, cfg.mlp_layer_types
+        ((3, 5), 4, ('dense', 'dense', 'dense', 'dense', 'dense', 'dense'))
         """
         n = overrides.get("num_hidden_layers", 4)
         kda = overrides.get("kda_layer_ids")

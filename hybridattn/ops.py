@@ -79,6 +79,20 @@ class ChunkStates(NamedTuple):
     ``[n*C, (n+1)*C)``; with ``cu_seqlens`` (``B == 1``) chunks are laid out sequence after
     sequence, each sequence starting on a fresh chunk, and unused trailing chunks have
     ``seq_ids == -1``.
+
+    Two packed sequences of 3 and 7 tokens with ``chunk_size=4``: the first fits one chunk,
+    the second takes two, and the last chunk is unused:
+
+    >>> B, T, H, D = 1, 10, 1, 4
+    >>> q = k = l2norm(jnp.ones((B, T, H, D)))
+    >>> v, g, beta = jnp.ones((B, T, H, D)), -jnp.ones((B, T, H, D)), jnp.ones((B, T, H))
+    >>> run = jax.jit(kda_chunked, static_argnames=("chunk_size", "return_chunk_states"))
+    >>> o, final, cs = run(q, k, v, g, beta, chunk_size=4, cu_seqlens=jnp.array([0, 3, 10]),
+    ...                    return_chunk_states=True)
+    >>> final.shape, cs.states.shape  # [N, H, Dk, Dv], [B, NC, H, Dk, Dv]
+    ((2, 1, 4, 4), (1, 4, 1, 4, 4))
+    >>> cs.seq_ids.tolist(), cs.num_tokens.tolist()
+    ([[0, 1, 1, -1]], [[3, 4, 7, 0]])
     """
 
     states: Float[Array, "B NC H Dk Dv"]
@@ -428,14 +442,16 @@ def kda_chunked(
 
     Returns ``(o, final_state)`` or ``(o, final_state, chunk_states)``; ``o`` has ``v.dtype``.
 
-    >>> B, T, H, D = 1, 100, 2, 16
-    >>> ks = jax.random.split(jax.random.key(0), 4)
-    >>> q, k = (l2norm(jax.random.normal(x, (B, T, H, D))) for x in ks[:2])
-    >>> v = jax.random.normal(ks[2], (B, T, H, D))
-    >>> g = -jax.random.uniform(ks[3], (B, T, H, D))
+    >>> import numpy as np
+    >>> B, T, H, D = 1, 20, 2, 8
+    >>> x = jnp.asarray(np.random.default_rng(0).standard_normal((4, B, T, H, D)), jnp.float32)
+    >>> q, k, v = l2norm(x[0]), l2norm(x[1]), x[2]
+    >>> g = -jax.nn.softplus(x[3])  # log-decay <= 0
     >>> beta = jnp.full((B, T, H), 0.5)
-    >>> o1, s1 = kda_chunked(q, k, v, g, beta, chunk_size=32)
+    >>> o1, s1 = kda_chunked(q, k, v, g, beta, chunk_size=8)  # 3 chunks, the last one padded
     >>> o2, s2 = kda_recurrent(q, k, v, g, beta)
+    >>> o1.shape, s1.shape
+    ((1, 20, 2, 8), (1, 2, 8, 8))
     >>> bool(jnp.allclose(o1, o2, atol=1e-4)), bool(jnp.allclose(s1, s2, atol=1e-4))
     (True, True)
     """

@@ -88,6 +88,14 @@ class SlotAllocator:
 
     ``free_slots[:num_free]`` are the free ids, the top of the stack at ``num_free - 1``;
     entries past ``num_free`` are stale. The capacity ``N`` is ``free_slots.shape[0]``.
+    Allocating and freeing return a new allocator; the old one is left as it was.
+
+    >>> a = SlotAllocator.create(5)  # slots 1..4 can be handed out
+    >>> a.free_slots.shape, a.capacity, a.num_slots, a.num_used
+    ((4,), 4, 5, 0)
+    >>> b, slots, ok = a.alloc(2, max_count=2)
+    >>> slots.tolist(), bool(ok), b.num_used, a.num_used
+    ([1, 2], True, 2, 0)
     """
 
     free_slots: Int[Array, " N"]
@@ -138,6 +146,9 @@ def alloc(
     ``max_count`` or above the number of free slots, ``ok`` is False, the allocator comes back
     unchanged and ``slots`` is all zeros. A python ``count > max_count`` is a ValueError.
 
+    Running out is the returned ``ok`` flag, never an exception, so ``alloc`` works inside
+    ``jax.jit``; :func:`alloc_or_raise` is the host-side variant that raises.
+
     >>> a = SlotAllocator.create(8)
     >>> a, slots, ok = alloc(a, 3, max_count=4)
     >>> slots.tolist(), bool(ok), int(a.num_free)
@@ -168,7 +179,15 @@ def free(
     """Push back every ``slots[i]`` with ``mask[i]`` true (all if ``mask`` is None).
 
     Slot 0 is always ignored, and so are ids outside ``1 .. N``. Freeing a slot that is not in
-    use (or the same slot twice) is a caller bug and corrupts the stack.
+    use (or the same slot twice) is a caller bug and corrupts the stack. Freed slots go on top
+    of the stack, so they are the next handed out (last freed, first out).
+
+    >>> a, slots, ok = alloc(SlotAllocator.create(8), 3, max_count=4)
+    >>> slots.tolist()
+    [1, 2, 3, 0]
+    >>> a = free(a, slots, mask=jnp.array([True, False, True, True]))  # 1 and 3; 0 is ignored
+    >>> int(a.num_free), alloc(a, 2, max_count=2)[1].tolist()
+    (6, [3, 1])
     """
     n = allocator.free_slots.shape[0]
     keep = (slots > 0) & (slots <= n)
@@ -221,6 +240,14 @@ class ReqToTokenPool:
     """Token slot of every (request row, position), and the allocator of request rows.
 
     Row 0 is the padding row: never allocated, never written, all zeros.
+
+    >>> pool = ReqToTokenPool.create(max_running_requests=2, max_context_len=4)
+    >>> pool.req_to_token.shape, pool.max_running_requests, pool.max_context_len
+    ((3, 4), 2, 4)
+    >>> pool, rows, ok = alloc_reqs(pool, 1, max_count=1)
+    >>> pool = write_token_slots(pool, jnp.array([1, 1]), jnp.array([0, 1]), jnp.array([7, 3]))
+    >>> pool.req_to_token.tolist()
+    [[0, 0, 0, 0], [7, 3, 0, 0], [0, 0, 0, 0]]
     """
 
     req_to_token: Int[Array, "R L"]
@@ -253,6 +280,13 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     ``req_to_state[row]`` is the state slot of the request in ``row`` (0 for free rows and the
     padding row); ``state_allocator`` hands out state slots ``1 .. num_state_slots - 1``.
+
+    >>> pool = HybridReqToTokenPool.create(max_running_requests=2, max_context_len=8)
+    >>> pool.req_to_token.shape, pool.req_to_state.shape, pool.num_state_slots
+    ((3, 8), (3,), 3)
+    >>> pool, rows, ok = alloc_reqs(pool, 2, max_count=2)
+    >>> rows.tolist(), pool.req_to_state.tolist()  # row -> state slot
+    ([1, 2], [0, 1, 2])
     """
 
     req_to_state: Int[Array, " R"]
@@ -290,6 +324,14 @@ def alloc_reqs(
     ``req_to_state``); ``ok`` only if both allocations succeed, and on failure the pool (both
     allocators) comes back unchanged and ``req_indices`` is all zeros. New rows are all zeros:
     :func:`free_reqs` clears the rows it frees.
+
+    >>> pool = HybridReqToTokenPool.create(max_running_requests=2, max_context_len=8)
+    >>> pool, rows, ok = alloc_reqs(pool, 1, max_count=2)
+    >>> rows.tolist(), bool(ok), get_linear_recurrent_indices(pool, rows).tolist()
+    ([1, 0], True, [1, 0])
+    >>> pool, rows, ok = alloc_reqs(pool, 2, max_count=2)  # only one row is left
+    >>> rows.tolist(), bool(ok), pool.max_running_requests - int(pool.allocator.num_free)
+    ([0, 0], False, 1)
     """
     allocator, rows, ok = alloc(pool.allocator, count, max_count)
     if not isinstance(pool, HybridReqToTokenPool):
@@ -345,7 +387,16 @@ def free_reqs(
     """Free the request rows ``req_indices[i]`` with ``mask[i]`` true (row 0 is ignored) and
     clear them to 0; on a :class:`HybridReqToTokenPool` also free their state slots and clear
     their ``req_to_state``. Token slots are not freed (see the module docstring). Freeing a
-    row that is not in use, or listing a row twice, is a caller bug."""
+    row that is not in use, or listing a row twice, is a caller bug.
+
+    >>> pool, rows, ok = alloc_reqs(HybridReqToTokenPool.create(2, 4), 2, max_count=2)
+    >>> pool = write_token_slots(pool, rows, jnp.array([0, 0]), jnp.array([5, 6]))
+    >>> pool = free_reqs(pool, rows, mask=jnp.array([True, False]))  # free row 1 only
+    >>> pool.req_to_token[:, 0].tolist(), pool.req_to_state.tolist()
+    ([0, 0, 6], [0, 0, 2])
+    >>> alloc_reqs(pool, 1, max_count=1)[1].tolist()  # row 1 is free again
+    [1]
+    """
     num_rows = pool.req_to_token.shape[0]
     keep = (req_indices > 0) & (req_indices < num_rows)
     if mask is not None:
@@ -374,6 +425,12 @@ def write_token_slots(
     """Record ``req_to_token[req_indices[t], positions[t]] = slots[t]`` for every token with
     ``mask[t]`` true. Masked-off tokens, tokens of row 0 and out-of-range positions write
     nothing. Two kept tokens with the same (row, position) is a caller bug (either may win).
+
+    >>> pool = ReqToTokenPool.create(max_running_requests=2, max_context_len=4)
+    >>> pool = write_token_slots(pool, req_indices=jnp.array([1, 1, 1, 0]),
+    ...                          positions=jnp.array([0, 1, 2, 0]), slots=jnp.array([5, 9, 2, 7]))
+    >>> pool.req_to_token.tolist()  # the padding token (row 0) wrote nothing
+    [[0, 0, 0, 0], [5, 9, 2, 0], [0, 0, 0, 0]]
     """
     num_rows, max_len = pool.req_to_token.shape
     keep = (req_indices > 0) & (positions >= 0) & (positions < max_len)
@@ -388,7 +445,14 @@ def get_token_slots(
     pool: ReqToTokenPool, req_indices: Int[Array, " B"], width: int
 ) -> Int[Array, "B width"]:
     """The token slots of the first ``width`` positions of each request: ``[B, width]``
-    (``width`` static, ``<= max_context_len``). Row 0 reads all zeros."""
+    (``width`` static, ``<= max_context_len``). Row 0 reads all zeros. This is the page table
+    an MLA layer gathers its latents with.
+
+    >>> pool = write_token_slots(ReqToTokenPool.create(2, 4), jnp.array([1, 1, 2]),
+    ...                          jnp.array([0, 1, 0]), jnp.array([5, 9, 3]))
+    >>> get_token_slots(pool, jnp.array([2, 1, 0]), width=2).tolist()  # row 0: padding
+    [[3, 0], [5, 9], [0, 0]]
+    """
     max_len = pool.req_to_token.shape[1]
     if not isinstance(width, int) or isinstance(width, bool) or not 0 <= width <= max_len:
         raise ValueError(f"width must be an int in [0, {max_len}], got {width!r}")
@@ -398,7 +462,13 @@ def get_token_slots(
 def get_linear_recurrent_indices(
     pool: HybridReqToTokenPool, req_indices: Int[Array, " B"]
 ) -> Int[Array, " B"]:
-    """The recurrent-state slot of each request row (row 0 and free rows: 0, the sink)."""
+    """The recurrent-state slot of each request row (row 0 and free rows: 0, the sink).
+
+    >>> pool = HybridReqToTokenPool.create(max_running_requests=3, max_context_len=4)
+    >>> pool, rows, ok = alloc_reqs(pool, 2, max_count=2)
+    >>> get_linear_recurrent_indices(pool, jnp.array([2, 1, 0, 3])).tolist()  # 3 is free
+    [2, 1, 0, 0]
+    """
     return pool.req_to_state[req_indices]
 
 
@@ -436,6 +506,13 @@ class MLATokenPool:
 
     ``layer_ids`` (static) are the model layer ids of the MLA layers, in order; ``c_kv[i]``
     belongs to ``layer_ids[i]``.
+
+    >>> pool = MLATokenPool.create(layer_ids=(3, 7), num_slots=8, kv_lora_rank=4,
+    ...                            qk_rope_head_dim=2)
+    >>> len(pool.c_kv), pool.c_kv[0].shape, pool.k_pe[0].shape
+    (2, (8, 4), (8, 2))
+    >>> pool.num_slots, pool.bytes_per_token, pool.nbytes  # float32: 2 layers x (4 + 2) x 4
+    (8, 48, 384)
     """
 
     c_kv: tuple[Float[Array, "S r"], ...]
@@ -471,14 +548,17 @@ class MLATokenPool:
 
     @property
     def kv_lora_rank(self) -> int:
+        """Latent width ``r`` of ``c_kv``."""
         return self.c_kv[0].shape[1]
 
     @property
     def qk_rope_head_dim(self) -> int:
+        """Width ``dr`` of the shared rope key ``k_pe``."""
         return self.k_pe[0].shape[1]
 
     @property
     def dtype(self):
+        """The cache dtype (of ``c_kv`` and ``k_pe``)."""
         return self.c_kv[0].dtype
 
     @property
@@ -503,7 +583,14 @@ def set_mla_kv(
     k_pe: Float[Array, "T dr"],
 ) -> MLATokenPool:
     """Write the latent KV of ``T`` tokens of layer ``layer_id`` at ``slots`` (cast to the pool
-    dtype). Padding tokens carry slot 0 and land in the sink."""
+    dtype). Padding tokens carry slot 0 and land in the sink.
+
+    >>> pool = MLATokenPool.create((3,), num_slots=8, kv_lora_rank=4, qk_rope_head_dim=2)
+    >>> slots = jnp.array([5, 6, 0])  # the third token is padding: slot 0, the sink
+    >>> pool = set_mla_kv(pool, 3, slots, jnp.ones((3, 4)), jnp.full((3, 2), 2.0))
+    >>> pool.c_kv[0][:, 0].tolist()
+    [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    """
     i = _layer_index("an MLA", pool.layer_ids, layer_id)
     if c_kv.shape[1] != pool.kv_lora_rank or k_pe.shape[1] != pool.qk_rope_head_dim:
         raise ValueError(
@@ -518,7 +605,15 @@ def set_mla_kv(
 def get_mla_kv(
     pool: MLATokenPool, layer_id: int
 ) -> tuple[Float[Array, "S r"], Float[Array, "S dr"]]:
-    """The whole cache of layer ``layer_id``: ``(c_kv [S, r], k_pe [S, dr])``."""
+    """The whole cache of layer ``layer_id``: ``(c_kv [S, r], k_pe [S, dr])``.
+
+    Index it with a page table (:func:`get_token_slots`) to get each request's tokens.
+
+    >>> pool = MLATokenPool.create((3,), num_slots=8, kv_lora_rank=4, qk_rope_head_dim=2)
+    >>> c_kv, k_pe = get_mla_kv(pool, 3)
+    >>> c_kv.shape, k_pe.shape, c_kv[jnp.array([[5, 6, 0]])].shape  # [B, W] -> [B, W, r]
+    ((8, 4), (8, 2), (1, 3, 4))
+    """
     i = _layer_index("an MLA", pool.layer_ids, layer_id)
     return pool.c_kv[i], pool.k_pe[i]
 
@@ -529,6 +624,13 @@ class RecurrentStatePool:
     state ``ssm [S, H, Dk, Dv]`` (float32) of every state slot. Slot 0 is the sink.
 
     ``layer_ids`` (static) are the model layer ids of the KDA layers, in order.
+
+    >>> pool = RecurrentStatePool.create(layer_ids=(0, 1), num_slots=3, conv_dim=6,
+    ...                                  conv_kernel=4, num_heads=2, head_k_dim=4, head_v_dim=4)
+    >>> pool.conv[0].shape, pool.ssm[0].shape  # [S, K-1, C], [S, H, Dk, Dv]
+    ((3, 3, 6), (3, 2, 4, 4))
+    >>> pool.bytes_per_request  # float32: 2 layers x (3*6 + 2*4*4) x 4 bytes
+    400
     """
 
     conv: tuple[Float[Array, "S Km1 C"], ...]
@@ -589,7 +691,14 @@ def get_states(
     pool: RecurrentStatePool, layer_id: int, idx: Int[Array, " B"]
 ) -> tuple[Float[Array, "B Km1 C"], Float[Array, "B H Dk Dv"]]:
     """The states of layer ``layer_id`` at slots ``idx``: ``(conv [B, K-1, C], ssm [B, H, Dk,
-    Dv])``."""
+    Dv])``.
+
+    >>> pool = RecurrentStatePool.create((0,), 4, conv_dim=6, conv_kernel=4, num_heads=2,
+    ...                                  head_k_dim=4, head_v_dim=4)
+    >>> conv, ssm = get_states(pool, 0, jnp.array([2, 1, 0]))
+    >>> conv.shape, ssm.shape
+    ((3, 3, 6), (3, 2, 4, 4))
+    """
     i = _layer_index("a KDA", pool.layer_ids, layer_id)
     return pool.conv[i][idx], pool.ssm[i][idx]
 
@@ -602,7 +711,15 @@ def set_states(
     ssm: Float[Array, "B H Dk Dv"],
 ) -> RecurrentStatePool:
     """Write the states of layer ``layer_id`` at slots ``idx`` (``conv`` cast to the pool dtype,
-    ``ssm`` to float32). Padding entries carry slot 0 and land in the sink."""
+    ``ssm`` to float32). Padding entries carry slot 0 and land in the sink.
+
+    >>> pool = RecurrentStatePool.create((0,), 4, conv_dim=6, conv_kernel=4, num_heads=2,
+    ...                                  head_k_dim=4, head_v_dim=4)
+    >>> idx = jnp.array([2, 0])  # a request in slot 2, and a padding entry
+    >>> pool = set_states(pool, 0, idx, jnp.ones((2, 3, 6)), jnp.ones((2, 2, 4, 4)))
+    >>> pool.ssm[0][:, 0, 0, 0].tolist()  # slot 0 is the sink: its contents are junk
+    [1.0, 0.0, 1.0, 0.0]
+    """
     i = _layer_index("a KDA", pool.layer_ids, layer_id)
     if conv.shape[1:] != pool.conv[i].shape[1:] or ssm.shape[1:] != pool.ssm[i].shape[1:]:
         raise ValueError(
@@ -618,7 +735,16 @@ def copy_states(
     pool: RecurrentStatePool, src_idx: Int[Array, " B"], dst_idx: Int[Array, " B"]
 ) -> RecurrentStatePool:
     """Copy every layer's states from slots ``src_idx`` to slots ``dst_idx`` (all sources are
-    read before any write; a ``dst`` of 0 lands in the sink)."""
+    read before any write; a ``dst`` of 0 lands in the sink). This forks a request's state,
+    e.g. for a second request that shares its prefix.
+
+    >>> pool = RecurrentStatePool.create((0,), 4, conv_dim=6, conv_kernel=4, num_heads=2,
+    ...                                  head_k_dim=4, head_v_dim=4)
+    >>> pool = set_states(pool, 0, jnp.array([1]), jnp.ones((1, 3, 6)), jnp.ones((1, 2, 4, 4)))
+    >>> pool = copy_states(pool, src_idx=jnp.array([1]), dst_idx=jnp.array([3]))
+    >>> pool.ssm[0][:, 0, 0, 0].tolist(), pool.conv[0][:, 0, 0].tolist()
+    ([0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0])
+    """
     return pool.replace(
         conv=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.conv),
         ssm=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.ssm),
