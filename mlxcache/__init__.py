@@ -1,9 +1,12 @@
 """mlxcache: radix (prefix) caching and batched decode for unmodified mlx-lm models.
 
-- :mod:`mlxcache.pool`: the KV pool and slot allocator as data plus pure functions.
-- :mod:`mlxcache.radix`: a token-level radix tree with LRU eviction and locks (no MLX import).
-- :mod:`mlxcache.cache`: caches that speak mlx-lm's cache protocol, backed by the pool.
-- :mod:`mlxcache.engine`: :class:`Engine`, continuous batching with prefix reuse.
+- ``mlxcache.pool``: the KV pool and slot allocator as data plus pure functions.
+- ``mlxcache.radix``: a token-level radix tree with LRU eviction and locks (no MLX import).
+- ``mlxcache.cache``: caches that speak mlx-lm's cache protocol, backed by the pool.
+- ``mlxcache.engine``: ``Engine``, continuous batching with prefix reuse.
+- ``mlxcache.sampling``: per-request greedy / temperature / top-k / top-p sampling.
+- ``mlxcache.testing``: hypothesis strategies for shared-prefix token sequences and
+  brute-force references to test a prefix cache against (needs ``hypothesis``; no MLX).
 
 ``Engine`` and ``EngineStats`` are imported lazily, so ``import mlxcache.radix`` never needs MLX.
 """

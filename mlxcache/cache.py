@@ -5,15 +5,15 @@ layer. Each layer's attention reads ``cache.offset`` (RoPE position), calls
 ``cache.update_and_fetch(keys, values)`` with ``(B, n_kv_heads, L, head_dim)`` after RoPE and
 attends to the full keys/values it returns, under the mask the model got from
 ``cache.make_mask(L)`` (asked of one layer's cache before the first layer runs).
-:class:`RaggedKVCache` plays that part for ``B`` requests of different lengths at once; nothing
+``RaggedKVCache`` plays that part for ``B`` requests of different lengths at once; nothing
 in the model is patched.
 
-- *prefill*: :meth:`RaggedKVCache.from_pool` starts each row from that request's cached prefix,
+- *prefill*: ``RaggedKVCache.from_pool`` starts each row from that request's cached prefix,
   gathered from the pool by slot ids, so only the new (uncached) tokens run through the model.
   Several requests prefill in one forward: their new tokens are right-padded to the longest,
   each row writes at its own position, the mask hides padding, and
-  :meth:`~RaggedKVCache.truncate` then drops the padded tail. The engine writes exactly the new
-  tokens' K/V (:meth:`~RaggedKVCache.row`) into the pool at freshly allocated slots.
+  ``truncate`` then drops the padded tail. The engine writes exactly the new
+  tokens' K/V (``row``) into the pool at freshly allocated slots.
 - *decode*: the running requests' rows advance one token per forward.
 
 Design of the decode path, and why
@@ -27,7 +27,7 @@ buffer. So the decode path keeps a *per-batch contiguous buffer* per layer,
 ``(rows, n_kv_heads, capacity, head_dim)``:
 
 - a request joins once, after its prefill: its full K/V (cached prefix + new tokens) is copied
-  into a free row, right-padded (:meth:`~RaggedKVCache.add_row`);
+  into a free row, right-padded (``add_row``);
 - each step writes the B new tokens at each row's own position with one ``put_along_axis``
   (in place: only this cache holds the buffer, so the cost does not grow with capacity) and
   returns the slice ``[:B, :, :max_len]``; RoPE gets per-row positions (``offset`` is an
@@ -47,7 +47,7 @@ token) or ``"causal"``, exactly what ``KVCache`` gives, so a single request runs
 same code as a plain mlx-lm cache, and models whose RoPE rejects array offsets still work one
 request at a time (the engine detects them).
 
-Example:
+Examples:
     >>> import mlx.core as mx
     >>> c = RaggedKVCache()
     >>> c.add_row(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))   # a 3-token request
@@ -64,11 +64,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from mlxcache.pool import KVPool, get_kv
+
+if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
+    from jaxtyping import Float
 
 __all__ = ["RaggedKVCache"]
 
@@ -92,13 +96,33 @@ class RaggedKVCache:
     Storage is ``(row_capacity, n_kv_heads, capacity, head_dim)`` keys and values; rows
     ``[0, B)`` are live and row ``i`` holds ``lengths[i]`` tokens. ``offset`` is an ``int`` when
     all lengths agree, else an ``mx.array`` ``(B,)``. A model takes one instance per layer: call
-    the row operations (:meth:`add_row`, :meth:`remove_row`, :meth:`truncate`) on every layer's
+    the row operations (``add_row``, ``remove_row``, ``truncate``) on every layer's
     instance alike.
 
     Args:
         num_rows: start with this many empty rows (a batch prefill without cached prefixes).
 
-    See the module docstring for the design and an example.
+    See the module docstring for the design.
+
+    Examples:
+        A batch prefill of two 3-token prompts, then one decode step with a third request
+        (already 5 tokens long) joined:
+
+        >>> import mlx.core as mx
+        >>> c = RaggedKVCache(num_rows=2)
+        >>> k, v = c.update_and_fetch(mx.ones((2, 2, 3, 4)), mx.ones((2, 2, 3, 4)))
+        >>> k.shape, c.offset
+        ((2, 2, 3, 4), 3)
+        >>> c.add_row(mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
+        2
+        >>> c.offset.tolist(), c.make_mask(1).shape     # ragged: per-row offsets and a mask
+        ([3, 3, 5], (3, 1, 1, 6))
+        >>> k, v = c.update_and_fetch(mx.ones((3, 2, 1, 4)), mx.ones((3, 2, 1, 4)))
+        >>> c.lengths, c.size()
+        ([4, 4, 6], 6)
+        >>> c.remove_row(0)                              # the last row moves into row 0
+        >>> c.lengths
+        [6, 4]
     """
 
     step = 256
@@ -118,7 +142,7 @@ class RaggedKVCache:
         It is an MLX graph node that reads ``pool``: evaluate the forward that uses this cache
         before writing to the pool, so that the write happens in place.
 
-        Example:
+        Examples:
             >>> import mlx.core as mx
             >>> from mlxcache.pool import init_pool
             >>> pool = init_pool(num_layers=1, num_slots=8, n_kv_heads=2, head_dim=4)
@@ -145,6 +169,7 @@ class RaggedKVCache:
 
     @property
     def batch_size(self) -> int:
+        """Live rows ``B`` (requests in the batch)."""
         return len(self.lengths)
 
     def _grow(self, rows: int, tokens: int, like_k: mx.array, like_v: mx.array) -> None:
@@ -165,8 +190,20 @@ class RaggedKVCache:
             values[:b, :, :t] = self.values[:b, :, :t]
         self.keys, self.values = keys, values
 
-    def add_row(self, keys: mx.array, values: mx.array) -> int:
-        """Append a request whose K/V so far are ``(1, n_kv_heads, T, head_dim)``; its row."""
+    def add_row(
+        self,
+        keys: Float[mx.array, "1 n_kv_heads T head_dim"],
+        values: Float[mx.array, "1 n_kv_heads T head_dim"],
+    ) -> int:
+        """Append a request whose K/V so far are ``(1, n_kv_heads, T, head_dim)``; its row.
+
+        Examples:
+            >>> c = RaggedKVCache()
+            >>> c.add_row(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+            0
+            >>> c.lengths
+            [3]
+        """
         if keys.ndim != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
             raise ValueError(
                 "add_row takes keys/values (1, n_kv_heads, T, head_dim), "
@@ -181,7 +218,16 @@ class RaggedKVCache:
         return row
 
     def remove_row(self, row: int) -> None:
-        """Drop ``row``; the last row moves into its place (rows stay dense)."""
+        """Drop ``row``; the last row moves into its place (rows stay dense).
+
+        Examples:
+            >>> c = RaggedKVCache()
+            >>> for t in (1, 2, 3):
+            ...     _ = c.add_row(mx.zeros((1, 1, t, 2)), mx.zeros((1, 1, t, 2)))
+            >>> c.remove_row(0)
+            >>> c.lengths
+            [3, 2]
+        """
         if not 0 <= row < self.batch_size:
             raise ValueError(f"row must be in [0, {self.batch_size}), got {row}")
         last = self.batch_size - 1
@@ -198,7 +244,15 @@ class RaggedKVCache:
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set each row's length to ``lengths[i]`` (at most its current one): after a padded
-        batch prefill, this drops the padding tokens' K/V."""
+        batch prefill, this drops the padding tokens' K/V.
+
+        Examples:
+            >>> c = RaggedKVCache(num_rows=2)
+            >>> _ = c.update_and_fetch(mx.ones((2, 1, 4, 2)), mx.ones((2, 1, 4, 2)))
+            >>> c.truncate([4, 1])                  # row 1 had 1 real token and 3 of padding
+            >>> c.offset.tolist()
+            [4, 1]
+        """
         if len(lengths) != self.batch_size or any(
             not 0 <= n <= m for n, m in zip(lengths, self.lengths, strict=True)
         ):
@@ -206,7 +260,14 @@ class RaggedKVCache:
         self.lengths = list(lengths)
 
     def row(self, row: int, start: int = 0) -> tuple[mx.array, mx.array]:
-        """Row ``row``'s keys and values from token ``start`` on, ``(1, H, len - start, D)``."""
+        """Row ``row``'s keys and values from token ``start`` on, ``(1, H, len - start, D)``.
+
+        Examples:
+            >>> c = RaggedKVCache()
+            >>> _ = c.add_row(mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
+            >>> c.row(0, start=3)[0].shape
+            (1, 2, 2, 4)
+        """
         t = self.lengths[row]
         return self.keys[row : row + 1, :, start:t], self.values[row : row + 1, :, start:t]
 
@@ -226,7 +287,21 @@ class RaggedKVCache:
         self, N: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:
         """Mask for ``N`` new tokens per row: as ``KVCache`` gives when the rows agree, else a
-        bool ``(B, 1, N, max_len + N)`` where query ``j`` of row ``i`` sees ``t <= len_i + j``."""
+        bool ``(B, 1, N, max_len + N)`` where query ``j`` of row ``i`` sees ``t <= len_i + j``.
+
+        Args:
+            N: new tokens per row in the coming forward.
+            return_array: with equal rows, an additive causal mask array instead of
+                ``"causal"`` (as mlx-lm's ``KVCache``).
+            window_size: not supported (ValueError unless None).
+
+        Examples:
+            >>> c = RaggedKVCache()
+            >>> for t in (1, 2):
+            ...     _ = c.add_row(mx.zeros((1, 1, t, 2)), mx.zeros((1, 1, t, 2)))
+            >>> c.make_mask(1).tolist()       # row 0 holds 1 token: it sees slots 0 and 1
+            [[[[True, True, False]]], [[[True, True, True]]]]
+        """
         if window_size is not None:
             raise ValueError(
                 f"window_size={window_size}: sliding-window attention is not supported by "
@@ -240,7 +315,32 @@ class RaggedKVCache:
         q_pos = lengths + mx.arange(N)[None, None, :, None]
         return mx.arange(max(self.lengths) + N)[None, None, None, :] <= q_pos
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(
+        self,
+        keys: Float[mx.array, "B n_kv_heads N head_dim"],
+        values: Float[mx.array, "B n_kv_heads N head_dim"],
+    ) -> tuple[mx.array, mx.array]:
+        """Append ``N`` tokens to every row; the batch's keys and values so far.
+
+        mlx-lm's attention calls this once per forward with the new tokens' keys (after RoPE)
+        and values. Row ``i`` writes at its own position ``lengths[i]``.
+
+        Args:
+            keys: ``[B, n_kv_heads, N, head_dim]``, ``B == batch_size``.
+            values: ``[B, n_kv_heads, N, head_dim]``.
+
+        Returns:
+            ``(keys, values)``, each ``[B, n_kv_heads, max_len, head_dim]`` with
+            ``max_len = max(lengths)`` after the update; a shorter row's tail is padding, which
+            ``make_mask`` hides.
+
+        Examples:
+            >>> c = RaggedKVCache()
+            >>> _ = c.add_row(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+            >>> k, v = c.update_and_fetch(mx.ones((1, 2, 2, 4)), mx.ones((1, 2, 2, 4)))
+            >>> k.shape, c.offset
+            ((1, 2, 5, 4), 5)
+        """
         b, _, n, _ = keys.shape
         if b != self.batch_size:
             raise ValueError(f"the cache has {self.batch_size} rows, got keys for {b}")
@@ -262,20 +362,27 @@ class RaggedKVCache:
 
     @property
     def state(self) -> tuple[mx.array | None, mx.array | None]:
+        """The whole buffers ``(keys, values)``, each ``(row_capacity, H, capacity, D)`` (None
+        before the first write): what to ``mx.eval``."""
         return self.keys, self.values
 
     def is_trimmable(self) -> bool:
+        """False: mlx-lm's prompt-cache trimming does not apply to a ragged batch."""
         return False
 
     def trim(self, n: int) -> int:
+        """Trims nothing (see ``is_trimmable``); returns 0, the tokens trimmed."""
         return 0
 
     def size(self) -> int:
+        """Tokens of the longest row."""
         return max(self.lengths, default=0)
 
     def empty(self) -> bool:
+        """True until the first write allocates the buffers."""
         return self.keys is None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffers (their capacity, not just the live tokens)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -1,8 +1,8 @@
 """Continuous-batching generation with radix prefix reuse for unmodified mlx-lm models.
 
-:class:`Engine` serves many prompts at once. Its host side is plain Python (a waiting queue,
+``Engine`` serves many prompts at once. Its host side is plain Python (a waiting queue,
 admission, finishing); its device side is the model called as ``model(inputs, cache=caches)``
-with :class:`~mlxcache.cache.RaggedKVCache` caches. Nothing in the model is patched.
+with ``RaggedKVCache`` caches. Nothing in the model is patched.
 
 One request's life (prefix reuse on):
 
@@ -27,14 +27,29 @@ One request's life (prefix reuse on):
 Models whose cache is not plain ``KVCache`` (hybrid/SSM ``ArraysCache``, sliding-window
 ``RotatingKVCache``, ``QuantizedKVCache``, ...) cannot be served from a KV-only tree without
 restoring stale state. They are served without reuse, one request per forward with mlx-lm's own
-caches, after a :class:`ReuseDisabledWarning`. So are models whose attention rejects per-row
+caches, after a ``ReuseDisabledWarning``. So are models whose attention rejects per-row
 positions (detected by a probe at start), minus the reuse restriction: those keep reuse.
 
-Example:
-    >>> engine = Engine(model, num_slots=4096)                     # doctest: +SKIP
-    >>> engine.generate([[1, 2, 3], [1, 2, 4]], max_tokens=8)     # doctest: +SKIP
-    [[...], [...]]
-    >>> engine.stats.hit_rate                                       # doctest: +SKIP
+Examples:
+    A tiny random llama (mlx-lm's own class; any ``mlx_lm.load``-ed model serves the same way),
+    two prompts that share a prefix, then a follow-up turn that reuses prompt and answer:
+
+    >>> from mlxcache.bench import make_model
+    >>> engine = Engine(make_model(), num_slots=256)
+    >>> first, second = engine.generate([[5, 6, 7, 8], [5, 6, 7, 9]], max_tokens=3)
+    >>> len(first), len(second), engine.stats.cached_tokens   # [5, 6, 7] was reused
+    (3, 3, 3)
+    >>> follow_up = [5, 6, 7, 8, *first, 10]
+    >>> _ = engine.generate([follow_up], max_tokens=2)
+    >>> engine.stats.cached_tokens - 3          # the first prompt and all but the answer's last
+    6
+    >>> engine.stats.cached_tokens, engine.stats.prompt_tokens, engine.stats.hit_rate
+    (9, 16, 0.5625)
+    >>> print(engine.tree.pretty())                             # doctest: +ELLIPSIS
+    RadixCache(page_size=1, total=..., evictable=..., protected=0)
+    root extra_key=None
+    └── [5, 6, 7] slots=[...] lock=0
+    ...
 """
 
 from __future__ import annotations
@@ -83,13 +98,21 @@ class ReuseDisabledWarning(UserWarning):
 
 @dataclass
 class EngineStats:
-    """Counters over an engine's life (see :attr:`Engine.stats`).
+    """Counters over an engine's life (see ``Engine.stats``).
 
     ``cached_tokens`` are prompt tokens served from the radix tree; ``prefill_tokens_computed``
     the ones run through the model (``prompt_tokens == cached + computed``). ``evictions``
     counts evicted tokens. ``prefill_tokens_per_s`` is *effective*: all prompt tokens (cached
     ones included) over prefill time. ``ttft`` is the mean time to first token in seconds,
     measured from the ``generate``/``stream`` call.
+
+    Examples:
+        >>> stats = EngineStats(requests=2, prompt_tokens=40, cached_tokens=30,
+        ...                     prefill_tokens_computed=10, prefill_time_s=0.5)
+        >>> stats.hit_rate, stats.prefill_tokens_per_s
+        (0.75, 80.0)
+        >>> EngineStats().hit_rate          # no requests yet: rates are 0, not an error
+        0.0
     """
 
     requests: int = 0
@@ -104,18 +127,22 @@ class EngineStats:
 
     @property
     def hit_rate(self) -> float:
+        """Share of prompt tokens served from the radix tree (0.0 before any request)."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
+        """Effective prefill throughput: all prompt tokens, cached ones included, per second."""
         return self.prompt_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Generated tokens after each request's first, per second of decode steps."""
         return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
 
     @property
     def ttft(self) -> float:
+        """Mean time to first token in seconds, from the ``generate``/``stream`` call."""
         return self.ttft_total_s / self.requests if self.requests else 0.0
 
 
@@ -207,7 +234,7 @@ def auto_num_slots(
 
     ``num_slots = min(max_slots, mem_fraction * free_memory // bytes_per_slot)`` (at least 2).
 
-    Example:
+    Examples:
         >>> n, _, _ = auto_num_slots(bytes_per_slot=1 << 20, mem_fraction=0.001)
         >>> 2 <= n <= MAX_AUTO_SLOTS
         True
@@ -284,7 +311,7 @@ class Engine:
             prompts; its EOS ids are the default stop tokens.
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
-            ``MemAvailable``), capped at :data:`MAX_AUTO_SLOTS`.
+            ``MemAvailable``), capped at ``MAX_AUTO_SLOTS``.
         page_size: radix tree granularity in tokens.
         mem_fraction: share of free memory the automatic pool may take.
         max_batch_size: most requests decoded at once.
@@ -292,10 +319,16 @@ class Engine:
         prefill_step_size: most tokens (padding included) in one prefill forward; also the
             prefill budget between two decode steps.
 
-    Example:
-        >>> engine = Engine(model, num_slots=1 << 14)                      # doctest: +SKIP
-        >>> for i, tok in engine.stream([[5, 6, 7]], max_tokens=4):         # doctest: +SKIP
-        ...     print(i, tok)
+    Examples:
+        >>> from mlxcache.bench import make_model     # a tiny random llama, or mlx_lm.load(path)
+        >>> engine = Engine(make_model(), num_slots=128, max_batch_size=4)
+        >>> engine.num_slots, engine.num_free_slots
+        (128, 127)
+        >>> events = list(engine.stream([[5, 6, 7], [8, 9]], max_tokens=2))
+        >>> sorted(i for i, _ in events)                # (prompt index, token) pairs
+        [0, 0, 1, 1]
+        >>> engine.num_free_slots + engine.tree.total_size   # every slot is free or cached
+        127
     """
 
     def __init__(
@@ -382,6 +415,7 @@ class Engine:
 
     @property
     def num_free_slots(self) -> int:
+        """Pool slots not held by the radix tree nor by a running request (0 without reuse)."""
         return self._alloc.num_free if self._alloc is not None else 0
 
     @property
@@ -410,7 +444,15 @@ class Engine:
         """Generated token ids per prompt (a stop token, when hit, is the last one).
 
         Every sampling argument is one value for all prompts or a list with one per prompt;
-        see :meth:`stream`.
+        see ``stream``.
+
+        Examples:
+            >>> from mlxcache.bench import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> outs = engine.generate([[1, 2, 3], [4, 5]], max_tokens=[2, 3],
+            ...                        temperature=[0.0, 0.8], seed=[None, 7])
+            >>> [len(o) for o in outs]
+            [2, 3]
         """
         out: list[list[int]] = [[] for _ in prompts]
         for i, token in self.stream(
@@ -435,7 +477,8 @@ class Engine:
             prompts: token id lists, or strings (needs a tokenizer).
             max_tokens: >= 1 tokens per request.
             temperature: 0 is greedy.
-            top_p, top_k: nucleus / top-k filters (1.0 / 0 = off).
+            top_p: nucleus filter mass (1.0 = off).
+            top_k: top-k filter (0 = off).
             seed: per-request reproducible sampling (None: MLX's global generator).
             stop_token_ids: finish a request on any of these (default: the tokenizer's EOS).
 

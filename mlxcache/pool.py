@@ -1,6 +1,6 @@
 """The KV pool and its slot allocator, as data plus pure functions.
 
-A :class:`KVPool` holds, per layer, one key and one value array of shape
+A ``KVPool`` holds, per layer, one key and one value array of shape
 ``[num_slots, n_kv_heads, head_dim]``; a token's KV lives at one *slot* (row) in every layer.
 Slot 0 is the padding sink: the allocator never hands it out, and padded rows of a batch read
 and write slot 0, so they never touch a live slot.
@@ -13,20 +13,23 @@ drop the old pool) to make a write cost O(tokens written) rather than O(pool siz
     new = set_kv(pool, layer, slots, k, v)    # `pool` still held: the write copies the layer
 
 The pool functions check shapes on the host and then use only pure MLX ops
-(``put_along_axis``/``take``), so they also work under :func:`mx.compile`. Slot *values* are not
+(``put_along_axis``/``take``), so they also work under ``mx.compile``. Slot *values* are not
 range-checked (that would need a device sync); the allocator guarantees them.
 
-The allocator (:class:`SlotAllocator`) is a free stack in a read-only numpy array: ``alloc`` of
+The allocator (``SlotAllocator``) is a free stack in a read-only numpy array: ``alloc`` of
 ``n`` slots is O(n) (a view of the stack), ``free`` is O(num_slots) (vectorised numpy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
+    from jaxtyping import Float
 
 __all__ = [
     "KVPool",
@@ -51,10 +54,20 @@ __all__ = [
 class KVPool(NamedTuple):
     """Per-layer key and value arrays, each ``[num_slots, n_kv_heads, head_dim]``.
 
-    Example:
+    A plain ``NamedTuple`` of two tuples of ``mx.array``, so it passes through
+    ``mx.compile`` and ``mx.eval`` as a tree. Build one with ``init_pool``; change it
+    only through ``set_kv`` / ``set_kv_all_layers``, which return a new pool.
+
+    Attributes:
+        keys: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]``.
+        values: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]``.
+
+    Examples:
         >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
-        >>> pool.num_slots, pool.bytes_per_slot
-        (8, 512)
+        >>> pool.num_layers, pool.num_slots, pool.n_kv_heads, pool.head_dim, pool.dtype
+        (2, 8, 4, 16, mlx.core.float16)
+        >>> pool.bytes_per_slot, pool.nbytes
+        (512, 4096)
     """
 
     keys: tuple[mx.array, ...]
@@ -62,22 +75,27 @@ class KVPool(NamedTuple):
 
     @property
     def num_layers(self) -> int:
+        """Number of layers (key/value array pairs)."""
         return len(self.keys)
 
     @property
     def num_slots(self) -> int:
+        """Token slots per layer, the padding sink (slot 0) included."""
         return self.keys[0].shape[0]
 
     @property
     def n_kv_heads(self) -> int:
+        """Key/value heads per token."""
         return self.keys[0].shape[1]
 
     @property
     def head_dim(self) -> int:
+        """Size of one head's key (and value) vector."""
         return self.keys[0].shape[2]
 
     @property
     def dtype(self) -> mx.Dtype:
+        """Element type of every key and value array."""
         return self.keys[0].dtype
 
     @property
@@ -94,7 +112,7 @@ class KVPool(NamedTuple):
 def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
     """Bytes one token slot takes: keys and values of every layer.
 
-    Example:
+    Examples:
         >>> bytes_per_token_slot(num_layers=2, n_kv_heads=4, head_dim=16, dtype=mx.float16)
         512
     """
@@ -112,7 +130,7 @@ def init_pool(
 
     ``num_slots`` counts the padding sink (slot 0), so it must be at least 2.
 
-    Example:
+    Examples:
         >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
         >>> pool.keys[0].shape
         (8, 4, 16)
@@ -177,7 +195,11 @@ def _replace_at(xs: tuple[mx.array, ...], i: int, x: mx.array) -> tuple[mx.array
 
 
 def set_kv(
-    pool: KVPool, layer: int, slots: mx.array | Sequence[int], k: mx.array, v: mx.array
+    pool: KVPool,
+    layer: int,
+    slots: mx.array | Sequence[int],
+    k: Float[mx.array, "T n_kv_heads head_dim"] | Float[mx.array, "1 n_kv_heads T head_dim"],
+    v: Float[mx.array, "T n_kv_heads head_dim"] | Float[mx.array, "1 n_kv_heads T head_dim"],
 ) -> KVPool:
     """A pool with ``k``/``v`` written at ``slots`` of ``layer``; ``pool`` is unchanged.
 
@@ -185,13 +207,17 @@ def set_kv(
         pool: the pool to write into.
         layer: layer index in ``[0, num_layers)``.
         slots: int ``[T]``; padded rows should point at slot 0.
-        k, v: ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``;
+        k: keys ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``;
             cast to the pool's dtype.
+        v: values, shaped as ``k``.
+
+    Returns:
+        A new ``KVPool``; only ``layer``'s arrays differ from ``pool``'s.
 
     If two entries of ``slots`` coincide (e.g. several padded rows at slot 0), which of their
     rows lands is unspecified.
 
-    Example:
+    Examples:
         >>> pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=1, head_dim=2)
         >>> pool = set_kv(pool, 0, mx.array([2]), mx.ones((1, 1, 2)), mx.ones((1, 1, 2)))
         >>> get_kv(pool, 0, mx.array([2]))[0].tolist()
@@ -217,10 +243,13 @@ def set_kv_all_layers(
     """A pool with ``ks[l]``/``vs[l]`` written at ``slots`` of every layer ``l``.
 
     Args:
+        pool: the pool to write into.
         slots: int ``[T]``.
-        ks, vs: ``num_layers`` arrays each, shaped as for :func:`set_kv`.
+        ks: ``num_layers`` key arrays, each ``[T, n_kv_heads, head_dim]`` or
+            ``[1, n_kv_heads, T, head_dim]`` (as for ``set_kv``).
+        vs: ``num_layers`` value arrays, shaped as ``ks``.
 
-    Example:
+    Examples:
         >>> pool = init_pool(num_layers=2, num_slots=4, n_kv_heads=1, head_dim=2)
         >>> kv = [mx.ones((1, 1, 2))] * 2
         >>> pool = set_kv_all_layers(pool, mx.array([3]), kv, kv)
@@ -244,7 +273,12 @@ def set_kv_all_layers(
 def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[mx.array, mx.array]:
     """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]``.
 
-    Example:
+    Args:
+        pool: the pool to read.
+        layer: layer index in ``[0, num_layers)``.
+        slots: int ``[T]`` (a 1-D ``mx.array`` or a list); slot 0 reads the padding sink.
+
+    Examples:
         >>> pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=2, head_dim=8)
         >>> k, v = get_kv(pool, 0, mx.array([0, 3, 1]))
         >>> k.shape
@@ -263,7 +297,7 @@ def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[m
 class PoolExhausted(RuntimeError):
     """More slots were requested than are free (after any eviction the caller tried).
 
-    Example:
+    Examples:
         >>> str(PoolExhausted(requested=5, available=2))
         'KV pool exhausted: requested 5 slots, 2 available'
     """
@@ -277,12 +311,13 @@ class PoolExhausted(RuntimeError):
 class SlotAllocator(NamedTuple):
     """A free stack of slot ids in ``[1, num_slots)``; slot 0 (the padding sink) is never free.
 
-    ``free_slots`` is a read-only int64 array ``[num_free]``; :func:`alloc` pops from its end.
+    ``free_slots`` is a read-only int64 array ``[num_free]``; ``alloc`` pops from its end.
+    Like the pool it is a value: ``alloc`` and ``free`` return a new allocator.
 
-    Example:
+    Examples:
         >>> a = init_allocator(4)
-        >>> a.num_free
-        3
+        >>> a.num_free, a.free_slots.tolist()
+        (3, [3, 2, 1])
     """
 
     free_slots: np.ndarray
@@ -290,6 +325,7 @@ class SlotAllocator(NamedTuple):
 
     @property
     def num_free(self) -> int:
+        """Slots that ``alloc`` can still hand out."""
         return int(self.free_slots.shape[0])
 
 
@@ -301,7 +337,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def init_allocator(num_slots: int) -> SlotAllocator:
     """An allocator with slots ``1 .. num_slots - 1`` free, handed out in increasing order.
 
-    Example:
+    Examples:
         >>> alloc(init_allocator(8), 3)[1]
         [1, 2, 3]
     """
@@ -318,9 +354,9 @@ def alloc(a: SlotAllocator, n: int) -> tuple[SlotAllocator, list[int] | None, bo
     """Take ``n`` free slots: ``(new_allocator, slots, True)``.
 
     If fewer than ``n`` are free, returns ``(a, None, False)`` with ``a`` itself unchanged, so the
-    caller can evict and retry (or raise :class:`PoolExhausted`).
+    caller can evict and retry (or raise ``PoolExhausted``).
 
-    Example:
+    Examples:
         >>> a = init_allocator(4)
         >>> a, slots, ok = alloc(a, 2)
         >>> slots, ok, a.num_free
@@ -344,7 +380,7 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
     Raises ValueError (naming the slots) for slot 0, slots outside ``[1, num_slots)``, repeats
     within ``slots``, or slots that are already free (a double free).
 
-    Example:
+    Examples:
         >>> a, slots, _ = alloc(init_allocator(4), 2)
         >>> free(a, slots).num_free
         3

@@ -1,12 +1,12 @@
 """A token-level radix tree from token ids to KV slot ids, with LRU eviction and locks.
 
 SGLang-style prefix cache, in pure Python (no MLX): each edge holds a run of token ids and the
-KV slots that hold their keys and values. :meth:`RadixCache.match_prefix` finds the longest
-cached prefix of a request, :meth:`RadixCache.insert` adds a finished (or prefilled) sequence,
-:meth:`RadixCache.lock` pins a running request's prefix, and :meth:`RadixCache.evict` frees the
+KV slots that hold their keys and values. ``RadixCache.match_prefix`` finds the longest
+cached prefix of a request, ``RadixCache.insert`` adds a finished (or prefilled) sequence,
+``RadixCache.lock`` pins a running request's prefix, and ``RadixCache.evict`` frees the
 least recently used unlocked leaves.
 
-The tree owns the slots stored in it: a slot leaves the tree only through :meth:`evict`, which
+The tree owns the slots stored in it: a slot leaves the tree only through ``evict``, which
 returns it to the caller to free in its allocator.
 
 ``page_size > 1`` stores and matches whole pages only: sequences are truncated to a multiple of
@@ -15,10 +15,10 @@ returns it to the caller to free in its allocator.
 ``extra_key`` namespaces the tree (e.g. per LoRA adapter): sequences under different extra keys
 never share a prefix. Each extra key has its own root.
 
-Recency is a monotonic counter (one tick per :meth:`match_prefix` / :meth:`insert`), ties broken
+Recency is a monotonic counter (one tick per ``match_prefix`` / ``insert``), ties broken
 by node creation order, so eviction order is deterministic.
 
-Example:
+Examples:
     >>> cache = RadixCache()
     >>> cache.insert([1, 2, 3], [10, 11, 12])
     0
@@ -42,7 +42,19 @@ class TreeNode:
 
     ``lock_ref`` counts the locks held on this node or on any descendant; a node with
     ``lock_ref > 0`` is never evicted. ``own_locks`` counts the locks held on this node itself.
-    A root has an empty key and no parent.
+    A root has an empty key and no parent. ``children`` maps a child's first token (its first
+    page when ``page_size > 1``) to the child. Nodes are made by ``RadixCache``; you get
+    them from ``RadixCache.match_prefix`` and hand them back to ``lock`` / ``unlock``.
+
+    Examples:
+        >>> cache = RadixCache()
+        >>> cache.insert([1, 2, 3], [10, 11, 12])
+        0
+        >>> _, node = cache.match_prefix([1, 2])     # splits the edge [1, 2, 3] after [1, 2]
+        >>> node.key, node.value, [c.key for c in node.children.values()]
+        ((1, 2), (10, 11), [(3,)])
+        >>> node.parent.parent is None                # its parent is the root
+        True
     """
 
     __slots__ = (
@@ -93,7 +105,10 @@ class RadixCache:
     Sizes count tokens: ``evictable_size`` (in unlocked nodes) + ``protected_size`` (in locked
     nodes) == ``total_size``.
 
-    Example:
+    Args:
+        page_size: granularity in tokens: only whole pages are stored and matched.
+
+    Examples:
         >>> cache = RadixCache(page_size=2)
         >>> cache.insert([1, 2, 3, 4, 5], [7, 8, 9, 10, 11])   # the lone 5th token is dropped
         0
@@ -115,7 +130,16 @@ class RadixCache:
     # ---------------------------------------------------------------------------- state ----
 
     def reset(self) -> None:
-        """Drop every node (the caller owns the slots it held) and all locks."""
+        """Drop every node (the caller owns the slots it held) and all locks.
+
+        Examples:
+            >>> cache = RadixCache()
+            >>> cache.insert([1, 2], [10, 11])
+            0
+            >>> cache.reset()
+            >>> cache.total_size, cache.match_prefix([1, 2])[0]
+            (0, [])
+        """
         self._roots: dict[Hashable, TreeNode] = {}
         self._clock = itertools.count(1)
         self._ids = itertools.count()
@@ -191,9 +215,9 @@ class RadixCache:
 
         Returns:
             ``(slots, node)``: ``slots`` is ``[prefix_len]``; ``node`` is the extra key's root
-            when nothing matches. Pass ``node`` to :meth:`lock` / :meth:`unlock`.
+            when nothing matches. Pass ``node`` to ``lock`` / ``unlock``.
 
-        Example:
+        Examples:
             >>> cache = RadixCache()
             >>> cache.insert([1, 2, 3], [10, 11, 12])
             0
@@ -227,10 +251,10 @@ class RadixCache:
 
         Both are truncated to whole pages. For the returned number ``n`` of leading positions
         the tree keeps its own slots; the caller's slots ``slots[:n]`` are not stored. Slots the
-        caller got from :meth:`match_prefix` are the tree's own; the rest of ``slots[:n]`` are
+        caller got from ``match_prefix`` are the tree's own; the rest of ``slots[:n]`` are
         duplicates the caller must free (SGLang: ``free(slots[len(matched):n])``).
 
-        Example:
+        Examples:
             >>> cache = RadixCache()
             >>> cache.insert([1, 2], [10, 11])
             0
@@ -278,7 +302,23 @@ class RadixCache:
         return path
 
     def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors: they are not evicted until :meth:`unlock`."""
+        """Pin ``node`` and its ancestors: they are not evicted until ``unlock``.
+
+        Locks are counted: each ``lock`` needs its own ``unlock``. ValueError if ``node`` is
+        no longer in the tree (evicted, or dropped by ``reset``).
+
+        Examples:
+            >>> cache = RadixCache()
+            >>> cache.insert([1, 2], [10, 11])
+            0
+            >>> _, node = cache.match_prefix([1, 2])
+            >>> cache.lock(node)
+            >>> cache.evict(2), cache.protected_size
+            ([], 2)
+            >>> cache.unlock(node)
+            >>> cache.evict(2)
+            [10, 11]
+        """
         path = self._path(node)
         node.own_locks += 1
         for n in path:
@@ -288,7 +328,7 @@ class RadixCache:
             n.lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
-        """Release one :meth:`lock` of ``node``; ValueError if ``node`` itself is not locked."""
+        """Release one ``lock`` of ``node``; ValueError if ``node`` itself is not locked."""
         path = self._path(node)
         if node.own_locks <= 0:
             raise ValueError(f"unlock of {node!r}, which holds no lock of its own")
@@ -310,7 +350,7 @@ class RadixCache:
         Returns:
             exactly the freed slots, for the caller to free in its allocator.
 
-        Example:
+        Examples:
             >>> cache = RadixCache()
             >>> cache.insert([1, 2], [10, 11]), cache.insert([3], [12])
             (0, 0)
@@ -357,7 +397,7 @@ class RadixCache:
     def pretty(self) -> str:
         """The tree as indented text, one line per node.
 
-        Example:
+        Examples:
             >>> cache = RadixCache()
             >>> cache.insert([1, 2, 3], [10, 11, 12]), cache.insert([1, 4], [10, 13])
             (0, 1)

@@ -1,12 +1,12 @@
 """Per-request sampling for a batch of logits: greedy, temperature, top-k, top-p, seeded.
 
-Every row has its own :class:`SamplingParams`. A row is sampled with the Gumbel-max trick
+Every row has its own ``SamplingParams``. A row is sampled with the Gumbel-max trick
 (``argmax(logits / T + g)``, ``g`` standard Gumbel noise), after top-k and top-p filtering. A
-seeded row draws its noise from its own key chain (:func:`next_key`), so its tokens depend only
+seeded row draws its noise from its own key chain (``next_key``), so its tokens depend only
 on its seed and logits, never on which other requests share the batch; unseeded rows use MLX's
 global generator.
 
-Example:
+Examples:
     >>> import mlx.core as mx
     >>> logits = mx.array([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
     >>> params = [SamplingParams(), SamplingParams(temperature=0.7, top_k=1)]
@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
+    from jaxtyping import Float, Int, UInt32
 
 __all__ = ["SamplingParams", "next_key", "sample"]
 
@@ -29,11 +33,18 @@ class SamplingParams:
     """How one request picks its tokens.
 
     ``temperature == 0`` is greedy (argmax); ``top_k == 0`` and ``top_p == 1`` switch those
-    filters off; ``seed`` makes sampling reproducible per request.
+    filters off; ``seed`` makes sampling reproducible per request. Bad values are a ValueError
+    naming them.
 
-    Example:
+    Examples:
         >>> SamplingParams(temperature=0.8, top_p=0.9, seed=1).greedy
         False
+        >>> SamplingParams(temperature=0.8, top_k=1).greedy     # one candidate: argmax
+        True
+        >>> SamplingParams(top_p=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: top_p must be in (0, 1], got 0.0
     """
 
     temperature: float = 0.0
@@ -53,11 +64,26 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when the pick is the argmax (``temperature == 0`` or ``top_k == 1``): no noise
+        is drawn and no key is consumed."""
         return self.temperature == 0 or self.top_k == 1
 
 
-def next_key(key: mx.array) -> tuple[mx.array, mx.array]:
-    """Split a request's key: ``(key for the next step, key for this step's noise)``."""
+def next_key(key: UInt32[mx.array, "2"]) -> tuple[mx.array, mx.array]:
+    """Split a request's key: ``(key for the next step, key for this step's noise)``.
+
+    Args:
+        key: an MLX PRNG key, uint32 ``[2]`` (``mx.random.key(seed)``).
+
+    Returns:
+        Two keys, uint32 ``[2]`` each.
+
+    Examples:
+        >>> key = mx.random.key(0)
+        >>> key, use = next_key(key)
+        >>> use.shape, use.dtype
+        ((2,), mlx.core.uint32)
+    """
     nxt, use = mx.random.split(key)
     return nxt, use
 
@@ -82,15 +108,27 @@ def _filter_top_p(logits: mx.array, top_p: mx.array) -> mx.array:
 
 
 def sample(
-    logits: mx.array, params: Sequence[SamplingParams], keys: Sequence[mx.array | None]
-) -> mx.array:
+    logits: Float[mx.array, "B V"],
+    params: Sequence[SamplingParams],
+    keys: Sequence[mx.array | None],
+) -> Int[mx.array, " B"]:
     """One token per row of ``logits`` ``(B, V)``: int32 ``(B,)``.
 
     Args:
         logits: ``(B, V)`` next-token logits.
-        params: one :class:`SamplingParams` per row.
-        keys: one noise key per row (from :func:`next_key`), or None for the global generator;
-            ignored for greedy rows.
+        params: one ``SamplingParams`` per row.
+        keys: one noise key per row (uint32 ``[2]``, from ``next_key``), or None for the
+            global generator; ignored for greedy rows.
+
+    Examples:
+        A seeded row draws the same token whatever shares its batch:
+
+        >>> logits = mx.array([[0.0, 1.0, 0.5, 0.2], [2.0, 0.0, 0.0, 0.0]])
+        >>> hot = SamplingParams(temperature=1.0, seed=3)
+        >>> alone = sample(logits[1:], [hot], [mx.random.key(3)])
+        >>> batched = sample(logits, [SamplingParams(), hot], [None, mx.random.key(3)])
+        >>> batched[0].item(), batched[1].item() == alone[0].item()
+        (1, True)
     """
     logits = logits.astype(mx.float32)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)

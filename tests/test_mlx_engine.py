@@ -1,7 +1,8 @@
 """mlxcache engine and caches against mlx-lm's own generation, on tiny random models.
 
 Every model is built with mlx-lm's classes (float32, fixed seed). The reference is mlx-lm's
-``generate_step`` with a fresh ``make_prompt_cache`` per request: no reuse, no batching.
+``generate_step`` with a fresh ``make_prompt_cache`` per request: no reuse, no batching. The
+property tests draw shared-prefix workloads with ``mlxcache.testing.shared_prefix_batches``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import warnings
 from contextlib import redirect_stdout
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -25,6 +28,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from mlxcache.cache import RaggedKVCache  # noqa: E402
 from mlxcache.engine import Engine, ReuseDisabledWarning  # noqa: E402
 from mlxcache.pool import init_pool, set_kv_all_layers  # noqa: E402
+from mlxcache.testing import ref_longest_prefix, shared_prefix_batches  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -82,6 +86,17 @@ def llama_model():
 def reference(model, prompt, max_tokens):
     """mlx-lm's greedy generation, fresh cache, no reuse."""
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def cached_reference(model, prompt, max_tokens):
+    """``reference``, remembered: hypothesis draws the same prompts again and again."""
+    key = (id(model), tuple(prompt), max_tokens)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = reference(model, prompt, max_tokens)
+    return _REFERENCE[key]
 
 
 def tokens(rng, n):
@@ -249,6 +264,45 @@ def test_long_prompts_prefill_in_chunks(llama_model):
     assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed
     assert s.cached_tokens >= len(prefix) and 0 < s.hit_rate < 1
     assert s.decode_tokens == 3 * len(prompts) and s.ttft > 0 and s.decode_tokens_per_s > 0
+    assert_intact(engine)
+
+
+# Shared-prefix workloads drawn as trees (common root, branches, duplicates, prompts that are
+# prefixes of others, any arrival order). Lengths and branch points are multiples of 2: a page
+# of 2 then holds whole prompts, and the model sees fewer distinct input shapes.
+WORKLOADS = shared_prefix_batches(vocab_size=VOCAB, max_size=6, max_len=24, length_multiple=2)
+
+
+@settings(max_examples=8)
+@given(prompts=WORKLOADS, num_slots=st.sampled_from([28, 1024]), page_size=st.sampled_from([1, 2]))
+def test_shared_prefix_workloads_match_mlx_lm(llama_model, prompts, num_slots, page_size):
+    """Concurrent, with a pool small enough to evict and make requests wait (27 usable slots,
+    3 running requests of up to 24 + 3 tokens; two thirds of such workloads evict) or large
+    enough for none of that."""
+    engine = Engine(llama_model, num_slots=num_slots, max_batch_size=3, page_size=page_size)
+    out = engine.generate(prompts, max_tokens=3)
+    assert out == [cached_reference(llama_model, p, 3) for p in prompts]
+    s = engine.stats
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed == sum(map(len, prompts))
+    assert_intact(engine)
+
+
+@settings(max_examples=6)
+@given(prompts=WORKLOADS, page_size=st.sampled_from([1, 2]))
+def test_each_prompt_reuses_its_longest_cached_prefix(llama_model, prompts, page_size):
+    """One prompt at a time, nothing evicted: a prompt reuses exactly the longest prefix it
+    shares with an earlier prompt or prompt + answer (whole pages; a full hit recomputes its
+    last token, whose logits it needs)."""
+    engine = Engine(llama_model, num_slots=1024, page_size=page_size)
+    cached: list[list[int]] = []  # what the tree holds: prompts, and prompts + answers
+    for p in prompts:
+        before = engine.stats.cached_tokens
+        (out,) = engine.generate([p], max_tokens=2)
+        assert out == cached_reference(llama_model, p, 2)
+        want = min(len(p) - 1, ref_longest_prefix(cached, p, page_size))
+        assert engine.stats.cached_tokens - before == want
+        cached += [p, p + out[:-1]]  # the last token was never fed back: not cached
+    assert engine.stats.evictions == 0
     assert_intact(engine)
 
 

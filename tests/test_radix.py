@@ -1,8 +1,10 @@
-"""RadixCache: unit tests plus a stateful test against a brute-force model.
+"""RadixCache: unit tests, then property tests against the brute-force references of
+``mlxcache.testing``, which are themselves tested here (strategies draw what they promise, the
+reference catches broken caches).
 
-The model is a dict ``(extra_key, prefix) -> slots of the last page of prefix`` with one entry
-per cached page (``prefix`` = the tokens up to and including that page); it is prefix-closed, so
-the longest cached prefix is the longest ``prefix`` present.
+The reference (``RefRadixCache``) is a dict ``(extra_key, prefix) -> slots of the last page of
+prefix`` with one entry per cached page (``prefix`` = the tokens up to and including that
+page); it is prefix-closed, so the longest cached prefix is the longest ``prefix`` present.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -23,6 +25,15 @@ from hypothesis.stateful import (
 )
 
 from mlxcache.radix import RadixCache
+from mlxcache.testing import (
+    RadixOp,
+    RefRadixCache,
+    check_radix_program,
+    radix_operations,
+    ref_longest_prefix,
+    shared_prefix_batches,
+    token_sequences,
+)
 
 # ------------------------------------------------------------------------------------- unit --
 
@@ -245,59 +256,253 @@ def test_radix_module_does_not_import_mlx():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---------------------------------------------------------------------- stateful vs model --
+# ------------------------------------------------------------- properties vs the reference --
 
-TOKENS = st.lists(st.integers(0, 3), max_size=9)
+
+@given(radix_operations(extra_keys=[None, "a"]), st.sampled_from([1, 2, 3]))
+def test_random_programs_agree_with_the_reference(program, page_size):
+    check_radix_program(program, RadixCache(page_size))
+
+
+@given(shared_prefix_batches(vocab_size=4, max_len=12), st.sampled_from([1, 2, 4]))
+def test_shared_prefix_batches_insert_and_match_like_brute_force(prompts, page_size):
+    cache = RadixCache(page_size)
+    for i, p in enumerate(prompts):
+        # what is cached already is the longest prefix over the prompts inserted before
+        assert cache.insert(p, [1000 * i + j for j in range(len(p))]) == ref_longest_prefix(
+            prompts[:i], p, page_size
+        )
+    for p in prompts:
+        slots, node = cache.match_prefix(p)
+        assert len(slots) == depth(node) == len(p) - len(p) % page_size
+        if slots:  # the first prompt that cached p's first page owns its slot
+            owner = next(i for i, q in enumerate(prompts) if ref_longest_prefix([q], p, page_size))
+            assert slots[0] == 1000 * owner
+    distinct_pages = {
+        tuple(p[:j]) for p in prompts for j in range(page_size, len(p) + 1, page_size)
+    }
+    assert cache.total_size == page_size * len(distinct_pages)
+
+
+# ------------------------------------------------------ the references and strategies --
+
+
+def _nodes(cache):
+    """Every node of ``cache``, roots included."""
+    out, stack = [], list(cache._roots.values())
+    while stack:
+        out.append(stack.pop())
+        stack.extend(out[-1].children.values())
+    return out
+
+
+class _MostRecentlyUsedFirst(RadixCache):
+    """A broken cache: evicts the most recently used leaves first."""
+
+    def evict(self, num_tokens):
+        nodes = _nodes(self)
+        for n in nodes:
+            n.last_access = -n.last_access
+        try:
+            return super().evict(num_tokens)
+        finally:
+            for n in nodes:
+                n.last_access = -n.last_access
+
+
+class _IgnoresLocks(RadixCache):
+    """A broken cache: eviction ignores locks."""
+
+    def evict(self, num_tokens):
+        saved = [(n, n.lock_ref) for n in _nodes(self)]
+        for n, _ in saved:
+            n.lock_ref = 0
+        try:
+            return super().evict(num_tokens)
+        finally:
+            for n, lock_ref in saved:
+                n.lock_ref = lock_ref
+
+
+class _ForgetsToTouch(RadixCache):
+    """A broken cache: matching does not refresh recency."""
+
+    def match_prefix(self, tokens, extra_key=None):
+        before = {id(n): n.last_access for n in _nodes(self)}
+        out = super().match_prefix(tokens, extra_key)
+        for n in _nodes(self):
+            n.last_access = before.get(id(n), n.last_access)
+        return out
+
+
+@pytest.mark.parametrize(
+    "broken, program, message",
+    [
+        (
+            _MostRecentlyUsedFirst,
+            [RadixOp("insert", (1,)), RadixOp("insert", (2,)), RadixOp("evict", n=1)],
+            "least recently used first",
+        ),
+        (
+            _IgnoresLocks,
+            [RadixOp("insert", (1,)), RadixOp("match", (1,), lock=True), RadixOp("evict", n=1)],
+            "evicted locked pages",
+        ),
+        (
+            _ForgetsToTouch,
+            [
+                RadixOp("insert", (1,)),
+                RadixOp("insert", (2,)),
+                RadixOp("match", (1,)),
+                RadixOp("evict", n=1),
+            ],
+            "least recently used first",
+        ),
+    ],
+)
+def test_the_reference_catches_broken_caches(broken, program, message):
+    with pytest.raises(AssertionError, match=rf"op \d+ evict\(1\).*{message}"):
+        check_radix_program(program, broken())
+    check_radix_program(program, RadixCache())  # the real cache passes it
+
+
+def test_ref_apply_eviction_rejects_each_invalid_eviction():
+    def ref_with_tree():
+        ref = RefRadixCache()
+        ref.insert([1, 2, 3], [1, 2, 3])
+        ref.insert([1, 4], [1, 4])  # 4's own slot is 4 (the 1 is a duplicate)
+        return ref
+
+    cases = [
+        ([3, 3], 2, "evicted twice"),
+        ([99], 1, "not cached"),
+        ([2], 1, "extensions stay cached"),
+        ([], 1, "while 4 evictable remain"),
+        ([4], 1, "least recently used first"),  # [1, 2, 3] was used before [1, 4]
+    ]
+    for freed, n, message in cases:
+        with pytest.raises(AssertionError, match=message):
+            ref_with_tree().apply_eviction(freed, n)
+    paged = RefRadixCache(page_size=2)
+    paged.insert([1, 2], [10, 11])
+    with pytest.raises(AssertionError, match="part of a page"):
+        paged.apply_eviction([11], 1)
+    ref = ref_with_tree()
+    ref.apply_eviction([3, 2], 2)  # [2, 3] was one leaf edge: it goes whole
+    assert ref.total_size == 2 and ref.match_prefix([1, 2])[0] == [1]
+
+
+def test_ref_longest_prefix_and_ref_cache_agree():
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [7]]
+    ref = RefRadixCache(page_size=2)
+    for i, s in enumerate(seqs):
+        ref.insert(s, [10 * i + j for j in range(len(s))])
+    for query in ([1, 2, 3, 4, 5], [1, 2, 5, 6], [1, 9], [7], []):
+        assert ref.cached_len(query) == ref_longest_prefix(seqs, query, page_size=2)
+    with pytest.raises(ValueError, match="page_size"):
+        ref_longest_prefix(seqs, [1], page_size=0)
+
+
+def test_radix_op_repr_is_the_call():
+    assert repr(RadixOp("insert", (1, 2), extra_key="a")) == "insert([1, 2], extra_key='a')"
+    assert repr([RadixOp("unlock", n=3), RadixOp("reset")]) == "[unlock(3), reset()]"
+
+
+@given(token_sequences(vocab_size=5, min_len=3, max_len=10, length_multiple=3))
+def test_token_sequences_respect_their_bounds(tokens):
+    assert len(tokens) in (3, 6, 9) and all(0 <= t < 5 for t in tokens)
+
+
+@given(shared_prefix_batches(vocab_size=6, min_size=2, max_size=6, min_len=2, max_len=12,
+                             length_multiple=2))  # fmt: skip
+def test_shared_prefix_batches_respect_their_bounds(prompts):
+    assert 2 <= len(prompts) <= 6
+    assert all(2 <= len(p) <= 12 and len(p) % 2 == 0 for p in prompts)
+    assert all(0 <= t < 6 for p in prompts for t in p)
+
+
+# The first example found, unshrunk (shrinking would cost seconds and show nothing more).
+FIND = settings(max_examples=500, database=None, derandomize=True, phases=[Phase.generate])
+
+
+def _shapes(prompts):
+    """Which tree shapes a batch shows."""
+    pairs = [(a, b) for i, a in enumerate(prompts) for j, b in enumerate(prompts) if i != j]
+    return {
+        "duplicate": any(a == b for a, b in pairs),
+        "prefix of another": any(len(a) < len(b) and b[: len(a)] == a for a, b in pairs),
+        "branch": any(0 < ref_longest_prefix([a], b) < min(len(a), len(b)) for a, b in pairs),
+        "shorter first": any(
+            len(a) < len(b) and b[: len(a)] == a
+            for i, a in enumerate(prompts)
+            for b in prompts[i + 1 :]
+        ),
+    }
+
+
+@pytest.mark.parametrize("shape", ["duplicate", "prefix of another", "branch", "shorter first"])
+def test_shared_prefix_batches_draw_every_tree_shape(shape):
+    find(
+        shared_prefix_batches(vocab_size=64),
+        lambda prompts: _shapes(prompts)[shape],
+        settings=FIND,
+    )
+
+
+def test_common_root_prefix_is_drawn():
+    batch = find(
+        shared_prefix_batches(vocab_size=64, min_size=3),
+        lambda ps: len({p[0] for p in ps}) == 1 and len({tuple(p) for p in ps}) == len(ps),
+        settings=FIND,
+    )
+    assert ref_longest_prefix(batch[1:], batch[0]) >= 1
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: token_sequences(vocab_size=0), "vocab_size"),
+        (lambda: token_sequences(min_len=5, max_len=6, length_multiple=4), "no multiple"),
+        (lambda: shared_prefix_batches(min_size=3, max_size=2), "max_size"),
+        (lambda: radix_operations(extra_keys=[]), "extra_keys"),
+        (lambda: RefRadixCache(page_size=0), "page_size"),
+    ],
+)
+def test_strategy_arguments_are_checked_eagerly(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ------------------------------------------------------------------ stateful vs the reference --
+
+TOKENS = token_sequences(vocab_size=4, max_len=9)
 EXTRA_KEYS = st.sampled_from([None, "a"])
 
 
 class RadixMachine(RuleBasedStateMachine):
-    """RadixCache against ``model: {(extra_key, prefix): page slots}`` and a list of held locks."""
+    """RadixCache against ``mlxcache.testing.RefRadixCache`` and a list of held locks."""
 
     @initialize(page_size=st.sampled_from([1, 1, 2, 3]))
     def init(self, page_size):
-        self.page = page_size
         self.cache = RadixCache(page_size)
-        self.model: dict[tuple, tuple[int, ...]] = {}
-        self.locks: list[tuple] = []  # (node, extra_key, matched prefix)
+        self.ref = RefRadixCache(page_size)
+        self.locks: list[tuple] = []  # (node, the reference's handle)
         self.inserted: list[tuple] = []  # (extra_key, tokens)
         self.next_slot = 1
-        self.gone: set[int] = set()  # evicted slots, and caller slots never stored
-
-    def page_keys(self, extra_key, tokens, start, stop):
-        """Model keys of the pages of ``tokens`` in ``[start, stop)`` (whole pages)."""
-        return [
-            (extra_key, tuple(tokens[:j])) for j in range(start + self.page, stop + 1, self.page)
-        ]
-
-    def cached_len(self, extra_key, tokens) -> int:
-        n = 0
-        while n + self.page <= len(tokens) and (extra_key, tuple(tokens[: n + self.page])) in (
-            self.model
-        ):
-            n += self.page
-        return n
 
     def check_match(self, tokens, extra_key):
         slots, node = self.cache.match_prefix(tokens, extra_key)
-        n = self.cached_len(extra_key, tokens)
-        assert slots == [
-            s for key in self.page_keys(extra_key, tokens, 0, n) for s in self.model[key]
-        ]
-        assert depth(node) == n
-        assert not self.gone.intersection(slots)
-        return node, tuple(tokens[:n])
+        want, handle = self.ref.match_prefix(tokens, extra_key)
+        assert slots == want
+        assert depth(node) == len(handle[1])
+        return node, handle
 
     @rule(tokens=TOKENS, extra_key=EXTRA_KEYS)
     def insert(self, tokens, extra_key):
         slots = list(range(self.next_slot, self.next_slot + len(tokens)))
         self.next_slot += len(tokens)
-        expected = self.cached_len(extra_key, tokens)
-        assert self.cache.insert(tokens, slots, extra_key) == expected
-        whole = len(tokens) - len(tokens) % self.page
-        for key in self.page_keys(extra_key, tokens, expected, whole):
-            self.model[key] = tuple(slots[len(key[1]) - self.page : len(key[1])])
-        self.gone.update(slots[:expected] + slots[whole:])  # duplicates, partial page
+        want = self.ref.insert(tokens, slots, extra_key)
+        assert self.cache.insert(tokens, slots, extra_key) == want
         self.inserted.append((extra_key, tuple(tokens)))
 
     @rule(tokens=TOKENS, extra_key=EXTRA_KEYS)
@@ -310,57 +515,37 @@ class RadixMachine(RuleBasedStateMachine):
         extra_key, tokens = data.draw(st.sampled_from(self.inserted))
         cut = data.draw(st.integers(0, len(tokens)))
         tail = data.draw(TOKENS)
-        node, prefix = self.check_match(list(tokens[:cut]) + tail, extra_key)
+        node, handle = self.check_match(list(tokens[:cut]) + tail, extra_key)
         if lock:
             self.cache.lock(node)
-            self.locks.append((node, extra_key, prefix))
+            self.ref.lock(handle)
+            self.locks.append((node, handle))
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
     def unlock(self, data):
         i = data.draw(st.integers(0, len(self.locks) - 1))
-        node, _, _ = self.locks.pop(i)
+        node, handle = self.locks.pop(i)
         self.cache.unlock(node)
+        self.ref.unlock(handle)
 
     @rule(num_tokens=st.integers(0, 12))
     def evict(self, num_tokens):
-        freed = self.cache.evict(num_tokens)
-        assert len(freed) == len(set(freed))
-        by_slot = {slot: key for key, page in self.model.items() for slot in page}
-        assert set(freed) <= set(by_slot), "evict returned slots that were not cached"
-        evicted = {by_slot[slot] for slot in freed}
-        assert set(freed) == {s for key in evicted for s in self.model[key]}, "part of a page"
-        assert not evicted & self.locked_keys(), "evicted a locked token"
-        for key in evicted:
-            del self.model[key]
-        self.gone.update(freed)
-        if len(freed) < num_tokens:
-            assert self.cache.evictable_size == 0
-        for extra_key, prefix in self.model:  # whole leaves only: still prefix-closed
-            assert len(prefix) == self.page or (extra_key, prefix[: -self.page]) in self.model
+        # whole pages, no locked page, leaves only, LRU first, enough unless nothing is left
+        self.ref.apply_eviction(self.cache.evict(num_tokens), num_tokens)
 
     @rule()
     def reset(self):
         self.cache.reset()
-        self.gone.update(s for page in self.model.values() for s in page)
-        self.model.clear()
+        self.ref.reset()
         self.locks.clear()
-
-    def locked_keys(self) -> set[tuple]:
-        return {
-            key
-            for _, extra_key, prefix in self.locks
-            for key in self.page_keys(extra_key, prefix, 0, len(prefix))
-        }
 
     @invariant()
     def sizes_add_up(self):
-        cache = self.cache
-        cached = self.page * len(self.model)
-        assert cache.evictable_size + cache.protected_size == cache.total_size == cached
-        locked = self.locked_keys()
-        assert locked <= self.model.keys(), "a locked token is no longer cached"
-        assert cache.protected_size == self.page * len(locked)
+        cache, ref = self.cache, self.ref
+        assert cache.evictable_size + cache.protected_size == cache.total_size == ref.total_size
+        assert ref.locked_pages() <= ref.pages.keys(), "a locked token is no longer cached"
+        assert cache.protected_size == ref.protected_size
 
 
 # Pure Python and cheap (~10 ms an example): more examples than the profile's default.
