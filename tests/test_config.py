@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hybridattn.config import KimiLinearConfig
+from hybridattn.testing import kimi_linear_configs
 
 RELEASED_MLA_1_INDEXED = [4, 8, 12, 16, 20, 24, 27]
 
@@ -78,20 +78,9 @@ def released():
     return copy.deepcopy(RELEASED)
 
 
-@st.composite
-def tiny_overrides(draw):
-    """``KimiLinearConfig.tiny`` overrides: a random layer pattern and MoE layout. (The test
-    builds the config: beartype's checks draw from ``random``, which strategies must not.)"""
-    n = draw(st.integers(1, 10))
-    mla = draw(st.sets(st.integers(0, n - 1)))
-    return dict(
-        num_hidden_layers=n,
-        full_attention_layer_ids=tuple(sorted(mla)),
-        num_experts=draw(st.sampled_from([0, 4])),
-        first_k_dense_replace=draw(st.integers(0, n)),
-        moe_layer_freq=draw(st.integers(1, 3)),
-        eos_token_id=draw(st.sampled_from([None, 2, (2, 3)])),
-    )
+# Any valid config, as a file may hold it: 1-10 layers of any pattern (all KDA and all MLA
+# included), dense or MoE layouts, low-rank queries, rotary MLA, token ids.
+ANY_CONFIG = kimi_linear_configs(num_layers=range(1, 11), hybrid=False, servable=False)
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,9 +180,8 @@ def test_hashable_static_jit_argument():
 
 
 @settings(max_examples=25)
-@given(tiny_overrides())
-def test_round_trip(overrides):
-    cfg = KimiLinearConfig.tiny(**overrides)
+@given(ANY_CONFIG)
+def test_round_trip(cfg):
     d = cfg.to_dict()
     assert json.loads(json.dumps(d)) == d
     assert KimiLinearConfig.from_dict(d) == cfg
@@ -224,9 +212,8 @@ def transformers_format(cfg):
 
 
 @settings(max_examples=25)
-@given(tiny_overrides())
-def test_transformers_format_reads_the_same(overrides):
-    cfg = KimiLinearConfig.tiny(**overrides)
+@given(ANY_CONFIG)
+def test_transformers_format_reads_the_same(cfg):
     got = KimiLinearConfig.from_dict(transformers_format(cfg))
     # without first_k_dense_replace, the smallest one giving the same MLP kinds is read
     assert got.mlp_layer_types == cfg.mlp_layer_types
@@ -392,9 +379,8 @@ def test_transformers_reads_the_released_config_to_the_same_layer_kinds():
 
 
 @settings(max_examples=15)
-@given(tiny_overrides())
-def test_transformers_derives_the_same_layer_kinds_from_linear_attn_config(overrides):
-    cfg = KimiLinearConfig.tiny(**overrides)
+@given(ANY_CONFIG)
+def test_transformers_derives_the_same_layer_kinds_from_linear_attn_config(cfg):
     transformers = pytest.importorskip("transformers")
     d = cfg.to_dict()
     del d["layer_types"], d["mlp_layer_types"]  # make transformers derive them

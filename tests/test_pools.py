@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from hybridattn import pools
+from hybridattn import pools, testing
+from hybridattn.config import KimiLinearConfig
 from hybridattn.pools import (
     HybridReqToTokenPool,
     MLATokenPool,
@@ -78,50 +79,34 @@ class SlotAllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.allocator = SlotAllocator.create(NUM_SLOTS)
-        self.free = set(range(1, NUM_SLOTS))
-        self.used: set[int] = set()
+        self.ref = testing.RefSlotAllocator(NUM_SLOTS)
 
     @rule(count=st.integers(-1, MAX_COUNT))
     def alloc(self, count):
         before = host(self.allocator)
         new, slots, ok = alloc_jit(self.allocator, jnp.int32(count))
-        slots = np.asarray(slots)
         assert slots.shape == (MAX_COUNT,)
-        if 0 <= count <= len(self.free):
-            assert bool(ok)
-            got = slots[:count].tolist()
-            assert 0 not in got
-            assert len(set(got)) == count and set(got) <= self.free
-            assert (slots[count:] == 0).all()
-            self.free -= set(got)
-            self.used |= set(got)
-        else:
+        # ok iff 0 <= count <= free; then count distinct free ids, zeros after; else zeros
+        self.allocator = self.ref.alloc(count, new, slots, ok)
+        if not bool(ok):
             event("alloc failed")
-            assert not bool(ok)
-            assert (slots == 0).all()
-            assert_tree_equal(new, before)
-        self.allocator = new
+            assert_tree_equal(new, before)  # the free stack itself is untouched
 
     @rule(data=st.data(), use_mask=st.booleans())
     def free_some(self, data, use_mask):
-        ids, mask, freed = draw_free_batch(data, sorted(self.used), FREE_WIDTH)
+        ids, mask, freed = draw_free_batch(data, sorted(self.ref.used), FREE_WIDTH)
         if use_mask:
             self.allocator = free_jit(self.allocator, ids, mask)
         else:  # no mask: everything nonzero is freed, so drop the masked-off ids
             self.allocator = free_jit(self.allocator, jnp.where(mask, ids, 0))
-        self.free |= freed
-        self.used -= freed
+        self.ref.free_slots(ids, mask)
+        assert not freed & self.ref.used
 
     @invariant()
     def conserved(self):
-        fs = free_list(self.allocator)
-        assert len(fs) == len(set(fs)), "a slot is free twice"
-        assert set(fs) == self.free
-        assert 0 not in fs
-        assert not self.free & self.used
-        assert self.free | self.used == set(range(1, NUM_SLOTS))
-        assert int(self.allocator.num_free) == len(self.free)
-        assert self.allocator.num_used == len(self.used)
+        # each free slot on the stack once, never 0, exactly the model's free set
+        self.ref.check(self.allocator)
+        assert self.ref.free | self.ref.used == set(range(1, NUM_SLOTS))
         assert self.allocator.capacity == NUM_SLOTS - 1
 
 
@@ -152,44 +137,31 @@ def make_hybrid_machine(max_reqs: int, num_state_slots: int):
         def __init__(self):
             super().__init__()
             self.pool = HybridReqToTokenPool.create(max_reqs, CTX, num_state_slots)
-            self.live: dict[int, int] = {}  # row -> state slot
-            self.table: dict[int, np.ndarray] = {}  # row -> token slots (live rows)
+            self.ref = testing.RefReqToTokenPool(max_reqs, CTX, num_state_slots)
 
         @rule(count=st.integers(0, REQ_MAX_COUNT))
         def alloc(self, count):
             before = host(self.pool)
             new, rows, ok = alloc_reqs_jit(self.pool, jnp.int32(count))
-            rows = np.asarray(rows)
-            free_rows = rows_all - set(self.live)
-            free_states = states_all - set(self.live.values())
-            if count <= min(len(free_rows), len(free_states)):
-                assert bool(ok)
-                got = rows[:count].tolist()
-                assert (rows[count:] == 0).all()
-                assert 0 not in got and len(set(got)) == count and set(got) <= free_rows
-                states = np.asarray(new.req_to_state)[got].tolist()
-                assert 0 not in states and len(set(states)) == count
-                assert set(states) <= free_states
-                for r, s in zip(got, states, strict=True):
-                    self.live[r] = s
-                    self.table[r] = np.zeros(CTX, np.int32)
-            else:  # both allocators (and everything else) unchanged
-                event("failed: " + ("rows" if count > len(free_rows) else "state slots"))
-                assert not bool(ok)
-                assert (rows == 0).all()
+            if not self.ref.can_alloc(count):  # both allocators (and all else) unchanged
+                event("failed: " + ("rows" if count > len(self.ref.free_rows)
+                                    else "state slots"))
                 assert_tree_equal(new, before)
-            self.pool = new
+            # ok iff rows and state slots were free; distinct free rows, each with a distinct
+            # free state slot; new rows all zeros
+            self.pool = self.ref.alloc_reqs(count, new, rows, ok)
+            assert set(self.ref.rows) <= rows_all
+            assert set(self.ref.rows.values()) <= states_all
 
         @rule(data=st.data())
         def free(self, data):
-            ids, mask, freed = draw_free_batch(data, sorted(self.live), max_reqs + 2)
+            ids, mask, _ = draw_free_batch(data, sorted(self.ref.rows), max_reqs + 2)
             self.pool = free_reqs_jit(self.pool, ids, mask)
-            for r in freed:
-                del self.live[r], self.table[r]
+            self.ref.free_reqs(ids, mask)
 
         @rule(data=st.data())
         def write(self, data):
-            rows = sorted(self.live) + [0]
+            rows = sorted(self.ref.rows) + [0]
             cell = st.tuples(st.sampled_from(rows), st.integers(0, CTX - 1))
             kept = data.draw(st.lists(cell, unique=True, max_size=WRITE_WIDTH), label="kept")
             tokens = [(r, p, True) for r, p in kept]
@@ -200,45 +172,25 @@ def make_hybrid_machine(max_reqs: int, num_state_slots: int):
             values = data.draw(st.lists(st.integers(1, 99), min_size=WRITE_WIDTH,
                                         max_size=WRITE_WIDTH), label="slots")
             req, pos, mask = (np.array(x) for x in zip(*tokens, strict=True))
-            self.pool = write_jit(
-                self.pool,
-                jnp.asarray(req, jnp.int32),
-                jnp.asarray(pos, jnp.int32),
-                jnp.asarray(values, jnp.int32),
-                jnp.asarray(mask, bool),
-            )
-            for (r, p, m), v in zip(tokens, values, strict=True):
-                if m and r != 0:  # row 0 (padding) writes are dropped
-                    self.table[r][p] = v
+            args = (jnp.asarray(req, jnp.int32), jnp.asarray(pos, jnp.int32),
+                    jnp.asarray(values, jnp.int32), jnp.asarray(mask, bool))
+            self.pool = write_jit(self.pool, *args)
+            self.ref.write_token_slots(*args)  # row 0 (padding) writes are dropped
 
         @invariant()
-        def rows_conserved(self):
-            fs = free_list(self.pool.allocator)
-            assert len(fs) == len(set(fs)) and 0 not in fs
-            assert set(fs) == rows_all - set(self.live)
-            assert len(self.live) == self.pool.allocator.num_used
+        def pool_matches_the_model(self):
+            # free rows / state slots each once, state slots unshared, both tables
+            self.ref.check(self.pool)
 
         @invariant()
-        def states_conserved_and_unshared(self):
-            fs = free_list(self.pool.state_allocator)
-            live_states = list(self.live.values())
-            assert len(set(live_states)) == len(live_states), "a state slot is shared"
-            assert len(fs) == len(set(fs)) and 0 not in fs
-            assert not set(fs) & set(live_states)
-            assert set(fs) | set(live_states) == states_all
-
-        @invariant()
-        def tables_match(self):
+        def getters_read_the_tables(self):
             all_rows = jnp.arange(max_reqs + 1, dtype=jnp.int32)
-            expect_tok = np.zeros((max_reqs + 1, CTX), np.int32)
-            expect_state = np.zeros(max_reqs + 1, np.int32)
-            for r, s in self.live.items():
-                expect_tok[r] = self.table[r]
-                expect_state[r] = s
-            np.testing.assert_array_equal(np.asarray(token_slots_jit(self.pool, all_rows)),
-                                          expect_tok)
-            np.testing.assert_array_equal(np.asarray(state_idx_jit(self.pool, all_rows)),
-                                          expect_state)
+            np.testing.assert_array_equal(
+                np.asarray(token_slots_jit(self.pool, all_rows)),
+                [self.ref.token_slots(r) for r in range(max_reqs + 1)])
+            np.testing.assert_array_equal(
+                np.asarray(state_idx_jit(self.pool, all_rows)),
+                [self.ref.rows.get(r, 0) for r in range(max_reqs + 1)])
 
     HybridPoolMachine.TestCase.settings = MACHINE_SETTINGS
     return HybridPoolMachine
@@ -247,6 +199,58 @@ def make_hybrid_machine(max_reqs: int, num_state_slots: int):
 # state slots run out before request rows, and the other way round
 TestHybridPoolFewStates = make_hybrid_machine(max_reqs=4, num_state_slots=4).TestCase
 TestHybridPoolFewRows = make_hybrid_machine(max_reqs=3, num_state_slots=6).TestCase
+
+
+# --------------------------------------------------------------------------------------------
+# from any reachable state (hybridattn.testing)
+# --------------------------------------------------------------------------------------------
+
+CAPACITY = NUM_SLOTS - 1
+alloc_all_jit = jax.jit(functools.partial(pools.alloc, max_count=CAPACITY))
+
+
+@given(testing.slot_allocator_states(NUM_SLOTS, max_count=MAX_COUNT), st.booleans())
+def test_after_any_history_every_free_slot_and_no_more_can_be_taken(s, one_more):
+    ref, a = s.reference, s.allocator
+    count = len(ref.free) + one_more
+    a = ref.alloc(count, *alloc_all_jit(a, jnp.int32(count)))  # one more than free: fails
+    used = np.asarray(sorted(ref.used), np.int32)
+    a = free_jit(a, jnp.asarray(np.pad(used, (0, CAPACITY - len(used)))))
+    ref.free_slots(sorted(ref.used))
+    ref.check(a)  # every slot back, each once
+    assert int(a.num_free) == CAPACITY
+
+
+@given(testing.req_to_token_pools(4, CTX, num_state_slots=4), st.data())
+def test_after_any_history_freeing_rows_clears_them(s, data):
+    live = sorted(s.reference.rows)
+    gone = data.draw(st.lists(st.sampled_from(live), unique=True) if live else st.just([]))
+    ids = jnp.asarray(np.pad(np.asarray(gone, np.int32), (0, 5 - len(gone))))
+    pool = free_reqs_jit(s.pool, ids)
+    s.reference.free_reqs(ids)
+    s.reference.check(pool)
+    assert not np.asarray(pool.req_to_token)[gone].any()
+    # and the pool keeps matching its model when rows are taken again
+    n = min(len(gone), REQ_MAX_COUNT)
+    s.reference.alloc_reqs(n, *alloc_reqs_jit(pool, jnp.int32(n)))
+
+
+TINY = KimiLinearConfig.tiny()
+copy_jit = jax.jit(pools.copy_states)
+
+
+@given(testing.recurrent_state_pools(TINY, num_slots=6), st.data())
+def test_copy_states_equals_numpy(pool, data):
+    """Any pairs of slots (sources may repeat or be destinations; the sink may be either):
+    every layer's states move as NumPy's fancy assignment moves them (reads before writes)."""
+    n = data.draw(st.integers(1, 4))
+    dst = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))
+    src = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    new = copy_jit(pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+    for old, got in zip(jax.tree.leaves(pool), jax.tree.leaves(new), strict=True):
+        want = np.asarray(old).copy()
+        want[dst] = np.asarray(old)[src]
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 # --------------------------------------------------------------------------------------------

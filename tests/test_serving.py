@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import mlx_greedy as greedy_oracle
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridattn import serving as S
+from hybridattn import testing
 from hybridattn.backend import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
@@ -319,6 +322,40 @@ def test_while_loop_stops_on_the_ok_flag_and_the_failed_step_changes_nothing():
     assert int(final.token_allocator.num_free) == 0
     assert int(final.req_to_token_pool.req_to_token[rows[0], :39].min()) > 0
     assert int(final.req_to_token_pool.req_to_token[rows[0], 39:].max()) == 0
+
+
+# The geometry and buckets of the tests above, so that the drawn batches reuse their compiled
+# steps: one EXTEND bucket (B=4, T=80) and one DECODE bucket (B=4).
+DRAWN = testing.worker_batches(CFG, max_running_requests=4, max_context_len=96,
+                               num_token_slots=385, num_requests=4, num_tokens=(80,))
+_release = jax.jit(S.release)
+
+
+@settings(max_examples=12)
+@given(ex=DRAWN, data=st.data())
+def test_step_on_drawn_batches_keeps_the_pool_contract_and_samples_within_support(ex, data):
+    """Any valid batch on any reachable state (fragmented free lists, bystanders, cached
+    prefixes, padding rows anywhere, mixed sampling): ``step`` succeeds, allocates exactly
+    the new tokens' slots, writes nothing it does not own, and samples every request's token
+    from its allowed set; ``release`` then returns exactly what the released rows held."""
+    ref = testing.RefServingPools.from_state(ex.state)
+    new, out = _step(PARAMS, ex.state, ex.batch)
+    ref.step(ex.batch, new, out.ok)  # asserts ok, the bookkeeping and the untouched slots
+    logits, tokens = np.asarray(out.logits), np.asarray(out.next_token_ids)
+    b = ex.batch
+    for it, p in zip(ex.items, ex.positions, strict=True):
+        assert np.isfinite(logits[p]).all()
+        # top_p loosened by 1e-4: the step's float32 running sum may keep one token more
+        probs = testing.ref_sample_probs(logits[p], float(b.temperatures[p]), int(b.top_ks[p]),
+                                         min(1.0, float(b.top_ps[p]) + 1e-4))
+        assert probs[tokens[p]] > 0, (it.sampling, tokens[p])
+    assert not np.delete(tokens, list(ex.positions)).any()  # padding rows sample 0
+    done = data.draw(st.lists(st.sampled_from([it.req_index for it in ex.items]), unique=True),
+                     label="released")
+    rows = np.zeros(4, np.int32)
+    rows[: len(done)] = done
+    ref.release(rows)
+    ref.check(_release(new, jnp.asarray(rows)))
 
 
 def test_release_returns_every_slot():
