@@ -1,17 +1,39 @@
 """hybridattn: functional, JAX-first serving machinery for hybrid linear-attention models.
 
-All state lives in immutable pytrees updated by pure functions.
+All state lives in immutable pytrees updated by pure functions, so every piece composes
+inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
 
-* :mod:`hybridattn.ops`: the KDA (Kimi Delta Attention) kernels every KDA layer runs through.
-* :class:`KimiLinearConfig`: the static model description (checkpoint / transformers formats).
-* :mod:`hybridattn.pools`: slot allocators, request pools, the MLA latent pool and the KDA
+* ``hybridattn.ops``: the KDA (Kimi Delta Attention) kernels every KDA layer runs through.
+* ``KimiLinearConfig``: the static model description (checkpoint / transformers formats).
+* ``hybridattn.pools``: slot allocators, request pools, the MLA latent pool and the KDA
   recurrent-state pool.
-* :mod:`hybridattn.backend`: the MLA and KDA attention backends and the
-  :class:`HybridLinearAttnBackend` that dispatches each layer to one of them.
-* :mod:`hybridattn.models.kimi_linear`: Kimi-Linear parameters (``init_params``, ``load``),
-  the serving forward and the cache-free ``apply``.
-* :mod:`hybridattn.serving`: the pure serving ``step`` over a :class:`ServingState`.
-* :class:`Engine`: continuous batching around ``step``.
+* ``hybridattn.backend``: the MLA and KDA attention backends and the
+  ``HybridLinearAttnBackend`` that dispatches each layer to one of them;
+  ``hybridattn.batch`` packs their ``ForwardBatch``.
+* ``hybridattn.models.kimi_linear``: Kimi-Linear parameters (``init_params``, ``load``,
+  ``save_pretrained``), the serving ``forward`` and the cache-free ``apply``.
+* ``hybridattn.serving``: the pure serving ``step`` over a ``ServingState``:
+  ``new_state, out = step(params, state, batch)``.
+* ``Engine``: continuous batching around ``step``: ``engine.generate(prompts, 16)``.
+* ``hybridattn.testing`` (imported on its own; needs hypothesis): strategies and reference
+  implementations for property tests.
+
+A tiny model, its serving pools and one step's batch (``jax.jit(hybridattn.step)`` runs it;
+see ``help(hybridattn.step)``):
+
+>>> import jax
+>>> import hybridattn
+>>> from hybridattn.models import kimi_linear
+>>> cfg = hybridattn.KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+>>> cfg.layer_types  # layer 0 KDA, layer 1 MLA
+('linear_attention', 'full_attention')
+>>> params = kimi_linear.init_params(cfg, jax.random.key(0))
+>>> state = hybridattn.ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+...                                        num_token_slots=33)
+>>> batch = hybridattn.make_worker_batch([hybridattn.WorkItem(1, 0, [5, 6, 7])],
+...                                      vocab_size=64, max_context_len=16)
+>>> batch.input_ids.shape, batch.forward_mode
+((3,), <ForwardMode.EXTEND: 1>)
 """
 
 from hybridattn import ops, pools

@@ -1,7 +1,7 @@
-"""``hybridattn.Engine``: host-side continuous batching around the pure :func:`~hybridattn.step`.
+"""``hybridattn.Engine``: host-side continuous batching around the pure ``hybridattn.step``.
 
-The engine owns a :class:`~hybridattn.serving.ServingState` and a jitted ``step`` (state
-donated). Each :meth:`Engine.step` is one scheduling round:
+The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (state
+donated). Each ``Engine.step`` is one scheduling round:
 
 1. **Admit** waiting requests (FIFO) while a request row and a recurrent-state slot are free
    (``get_max_running_requests`` bounds the rows) and the token slots can hold the request's
@@ -14,11 +14,11 @@ donated). Each :meth:`Engine.step` is one scheduling round:
 3. **Pad** the batch to shape buckets (requests, tokens, attention width, longest extend), so
    the step compiles once per bucket tuple, and run it.
 4. **Finish** requests on a stop token or ``max_new_tokens``: their token slots, row and state
-   slot are released at once (:func:`~hybridattn.serving.release`) and waiting requests move
+   slot are released at once (``hybridattn.serving.release``) and waiting requests move
    up.
 
 Bad requests (empty prompt, token ids outside the vocabulary, ``max_new_tokens < 1``, a prompt
-that cannot fit the context or the pool) raise ``ValueError`` from :meth:`Engine.add_request`
+that cannot fit the context or the pool) raise ``ValueError`` from ``Engine.add_request``
 before anything changes; running requests are unaffected.
 """
 
@@ -68,8 +68,12 @@ _alloc_row = jax.jit(_counted(lambda pool: alloc_reqs(pool, 1, 1)))
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS reports as available (``MemAvailable`` on Linux; physical pages
-    elsewhere)."""
+    """Memory the OS reports as available, in bytes (``MemAvailable`` on Linux; physical
+    pages elsewhere). ``Engine`` sizes its default token pool from it.
+
+    >>> available_memory_bytes() > 0
+    True
+    """
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -99,7 +103,24 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 @dataclasses.dataclass
 class MemoryReport:
-    """Pool sizes and what a token of context costs."""
+    """Pool sizes and what a token of context costs (``Engine.memory``; ``str()`` gives a
+    two-line summary).
+
+    In the tiny model below, one MLA layer keeps ``kv_lora_rank + qk_rope_head_dim = 40``
+    float32 numbers per token, where full attention in both layers would keep K and V of 4
+    heads (``(24 + 16) * 4`` numbers per layer):
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = kimi_linear.init_params(cfg, jax.random.key(0))
+    >>> engine = Engine(cfg, params, max_running_requests=2, max_context_len=16,
+    ...                 num_token_slots=33)
+    >>> m = engine.memory
+    >>> m.mla_bytes_per_token, m.full_attn_bytes_per_token, m.num_token_slots
+    (160, 1280, 33)
+    >>> m.state_bytes_per_request  # KDA: 4 x 16 x 16 float32 state + 3 x 192 conv state
+    6400
+    """
 
     budget_bytes: int
     param_bytes: int
@@ -129,13 +150,19 @@ class MemoryReport:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since the engine was built (or :meth:`Engine.reset_stats`).
+    """Counters since the engine was built (or ``Engine.reset_stats``): ``Engine.stats``.
 
     Steps that compiled are left out of the throughput figures. ``prefill_*``: steps that ran
     prompt tokens (decodes riding along in the same mixed step are not counted as tokens, but
     their time is here); ``decode_*``: pure decode steps. ``num_compilations``: traces of the
     engine's jitted functions (the step, one per new shape bucket, plus row allocation and
     release). ``ttft``: seconds from ``add_request`` to the first token, per request.
+    ``buckets``: the ``(mode, B, T, W, Q)`` shape buckets the steps used.
+
+    >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
+    ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
+    >>> stats.prefill_tok_s, stats.decode_tok_s, round(stats.mean_ttft, 6)
+    (2048.0, 128.0, 0.2)
     """
 
     steps: int = 0
@@ -151,14 +178,17 @@ class EngineStats:
 
     @property
     def prefill_tok_s(self) -> float:
+        """Prompt tokens per second of the prefill (and mixed) steps; 0 before any."""
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tok_s(self) -> float:
+        """Generated tokens per second of the pure decode steps; 0 before any."""
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def mean_ttft(self) -> float:
+        """Mean time to first token in seconds; 0 before any."""
         return float(np.mean(self.ttft)) if self.ttft else 0.0
 
 
@@ -188,18 +218,72 @@ class _Request:
 class Engine:
     """Continuous-batching generation for a Kimi-Linear model.
 
+    ``generate`` serves a list of prompts to completion, ``stream`` yields tokens as they
+    come, and ``add_request`` / ``step`` drive the scheduler one round at a time. Requests
+    are greedy unless given a ``temperature``; a request's samples depend on its prompt and
+    seed, not on which other requests share its steps.
+
     Args:
-        config, params: the model (``hybridattn.models.kimi_linear.load`` or ``init_params``).
+        config: the model's config (``hybridattn.models.kimi_linear.load`` or
+            ``KimiLinearConfig``).
+        params: the model's parameters (``kimi_linear.load`` or ``kimi_linear.init_params``).
         max_running_requests: request rows (default 32).
         max_context_len: longest prompt + generation (default ``min(model_max_length, 4096)``).
         num_token_slots: MLA token slots; default: what ``mem_fraction`` of the available
             memory (less the parameters and the KDA states) holds, at most enough for every
             request at full context.
+        mem_fraction: the share of ``available_memory_bytes()`` the default pool may use.
         chunked_prefill_size: prompt tokens per step (long prompts span several steps).
-        request_buckets, token_buckets, kv_buckets: shape buckets of the padded batches
-            (defaults: powers of four, ending at the largest size needed); the step compiles
-            once per bucket tuple used.
-        chunk_size: the KDA prefill chunk. dtype: the pools' dtype.
+        request_buckets: shape buckets of the padded batches' request count (default:
+            powers of four up to ``max_running_requests``); the step compiles once per
+            bucket tuple used.
+        token_buckets: shape buckets of the tokens in a step (default: powers of four from
+            16 up to ``chunked_prefill_size + max_running_requests``).
+        kv_buckets: shape buckets of the attention width (default: powers of four from 64
+            up to ``max_context_len``).
+        chunk_size: the KDA prefill chunk.
+        dtype: the pools' dtype (MLA latents and conv states; KDA states are float32).
+        seed: the base sampling key (``ServingState.create``).
+
+    Attributes:
+        state: the ``ServingState`` (pools) the steps update.
+        stats: ``EngineStats``: throughput, TTFT, compilations and buckets.
+        memory: ``MemoryReport``: pool sizes and bytes per token of context.
+        max_running_requests: requests that run at once (rows, state slots and token slots
+            permitting).
+        capacity: token slots for requests (the sink excluded).
+
+    Raises:
+        ValueError: a size, fraction or bucket list that cannot work, naming it.
+
+    Two greedy prompts on a tiny random model; the engine compiles one EXTEND and one
+    DECODE step here (one per shape bucket used):
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = kimi_linear.init_params(cfg, jax.random.key(0))
+    >>> engine = Engine(cfg, params, max_running_requests=2, max_context_len=16,
+    ...                 num_token_slots=33)
+    >>> prompts = [[1, 2, 3], [4, 5]]
+    >>> outs = engine.generate(prompts, max_new_tokens=4)
+    >>> [len(o) for o in outs], all(0 <= t < cfg.vocab_size for o in outs for t in o)
+    ([4, 4], True)
+    >>> sorted(mode for mode, *_ in engine.stats.buckets)  # ForwardMode.EXTEND, DECODE
+    [1, 2]
+
+    ``stream`` yields ``(prompt index, token)`` as steps finish; sampling is reproducible
+    from the seed (request ``i`` uses ``seed + i``):
+
+    >>> got = [[], []]
+    >>> for i, token in engine.stream(prompts, max_new_tokens=4):
+    ...     got[i].append(token)
+    >>> got == outs
+    True
+    >>> a = engine.generate(prompts, 4, temperature=0.8, top_p=0.9, seed=7)
+    >>> a == engine.generate(prompts, 4, temperature=0.8, top_p=0.9, seed=7)
+    True
+    >>> engine.num_running, engine.has_unfinished()  # finished requests are released
+    (0, False)
     """
 
     def __init__(
@@ -319,8 +403,11 @@ class Engine:
         seed: int = 0,
         stop_token_ids: Sequence[int] | None = None,
     ) -> int:
-        """Queue a request; returns its id. Raises ``ValueError`` naming the bad value, and
-        then nothing has changed."""
+        """Queue a request; returns its id (ids count up from 0). It is admitted by a later
+        ``step`` once a row and the token slots for its whole life (prompt +
+        ``max_new_tokens - 1``) are free. Generation ends after ``max_new_tokens`` tokens or
+        on a token in ``stop_token_ids`` (which is kept). Raises ``ValueError`` naming the
+        bad value, and then nothing has changed."""
         req = self._make_request(prompt, max_new_tokens, temperature, top_k, top_p, seed,
                                  stop_token_ids)
         self._next_rid += 1
@@ -377,14 +464,17 @@ class Engine:
         return False
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
         return bool(self._waiting or self._running)
 
     @property
     def num_running(self) -> int:
+        """Admitted requests (holding a row and their token-slot reservation)."""
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
+        """Queued requests not admitted yet."""
         return len(self._waiting)
 
     # ---------------------------------------------------------------------------------------
@@ -422,8 +512,9 @@ class Engine:
         return ForwardMode.EXTEND, work
 
     def step(self) -> list[tuple[int, int, bool]]:
-        """One scheduling round; returns ``(request id, new token, finished)`` for every token
-        generated in it."""
+        """One scheduling round (admit, schedule, run one step, finish); returns
+        ``(request id, new token, finished)`` for every token generated in it (none for a
+        step that only ran prompt chunks, or when nothing is queued)."""
         self._admit()
         if not self._running:
             return []
@@ -523,7 +614,9 @@ class Engine:
         progress: bool = False,
     ) -> Iterator[tuple[int, int]]:
         """Serve ``prompts`` and yield ``(prompt index, token)`` as tokens are generated.
-        Request ``i`` samples with seed ``seed + i``. All prompts are validated first."""
+        Request ``i`` samples with seed ``seed + i``. All prompts are validated first (a
+        ``ValueError`` names the bad prompt, and nothing is queued); requests left when the
+        consumer stops early are aborted. ``progress`` draws a bar on stderr."""
         rids = {}
         for i, p in enumerate(prompts):  # validate every prompt before queueing any
             try:
@@ -571,7 +664,7 @@ class Engine:
         progress: bool = False,
     ) -> list[list[int]]:
         """Generate for every prompt; returns the new tokens of each (a stop token, when hit,
-        is the last)."""
+        is the last). Same arguments as ``stream``; see the class docstring for an example."""
         outs: list[list[int]] = [[] for _ in prompts]
         for i, tok in self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                   stop_token_ids, progress):

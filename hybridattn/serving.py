@@ -1,9 +1,9 @@
 """The pure serving step: ``new_state, out = step(params, state, batch)``.
 
-:class:`ServingState` holds everything a serving step reads and writes: the request table
+``ServingState`` holds everything a serving step reads and writes: the request table
 (with each request's recurrent-state slot), the token-slot allocator, the MLA latent pool, the
 KDA state pool, the attention backend (static configuration only) and the base RNG key.
-:class:`ModelWorkerBatch` is one step's work, padded to shape buckets: extend requests (a whole
+``ModelWorkerBatch`` is one step's work, padded to shape buckets: extend requests (a whole
 prompt, a chunk of one, or a chunk after a cached prefix) and decode requests (one token each)
 mixed in one ``EXTEND`` batch, or a ``DECODE`` batch of one token per request.
 
@@ -22,10 +22,10 @@ kernels, so logits agree to ~1e-6, and a near-tie may break either way). Request
 seeds and prompts sample alike; give them different seeds for different samples.
 
 The step composes: ``decode_steps`` runs N decode steps in a ``lax.scan``, and users may write
-their own loops around :func:`step` the same way.
+their own loops around ``step`` the same way.
 
-Request rows are allocated by the host (:func:`hybridattn.pools.alloc_reqs_or_raise` on
-``state.req_to_token_pool``) and released with :func:`release`, which frees a request's token
+Request rows are allocated by the host (``hybridattn.pools.alloc_reqs_or_raise`` on
+``state.req_to_token_pool``) and released with ``release``, which frees a request's token
 slots, its row and its state slot together.
 """
 
@@ -37,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Key
 
 from hybridattn._pytree import pytree_dataclass
 from hybridattn.backend import (
@@ -64,6 +64,7 @@ from hybridattn.pools import (
 #   B  requests in the batch (padding rows use request row 0)
 #   T  tokens in the batch (new tokens packed request by request, padding at the tail)
 #   V  vocabulary
+#   N  decode steps of one ``decode_steps`` call
 
 
 @pytree_dataclass(static=("config",))
@@ -72,6 +73,25 @@ class ServingState:
 
     ``backend`` carries only static configuration between steps (its per-forward metadata is
     ``None``); it is a child so that a state is self-contained: ``step(params, state, batch)``.
+    Build one with ``create``; take request rows from ``req_to_token_pool`` before a step
+    names them, and give them back with ``release``.
+
+    >>> from hybridattn.pools import alloc_reqs_or_raise
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> cfg.kda_layer_ids, cfg.full_attention_layer_ids
+    ((0,), (1,))
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+    ...                             num_token_slots=33)
+    >>> state.max_running_requests, state.max_context_len, state.token_allocator.capacity
+    (2, 16, 32)
+    >>> state.token_to_kv_pool.c_kv[0].shape  # MLA latents: [token slots, kv_lora_rank]
+    (33, 32)
+    >>> state.recurrent_state_pool.ssm[0].shape  # KDA states: [state slots, H, Dk, Dv]
+    (3, 4, 16, 16)
+    >>> pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, 2)
+    >>> state = state.replace(req_to_token_pool=pool)
+    >>> rows.tolist()
+    [1, 2]
     """
 
     req_to_token_pool: HybridReqToTokenPool
@@ -79,7 +99,7 @@ class ServingState:
     token_to_kv_pool: MLATokenPool
     recurrent_state_pool: RecurrentStatePool
     backend: HybridLinearAttnBackend | MLAAttnBackend
-    rng: jax.Array
+    rng: Key[Array, ""]
     config: KimiLinearConfig
 
     @classmethod
@@ -97,7 +117,8 @@ class ServingState:
         """Empty pools for ``max_running_requests`` requests of up to ``max_context_len``
         tokens sharing ``num_token_slots`` MLA token slots (slot 0, the sink, included).
         ``dtype`` is the MLA latent and conv-state dtype (KDA states are always float32);
-        ``chunk_size`` is the KDA prefill chunk."""
+        ``chunk_size`` is the KDA prefill chunk; ``seed`` makes the base sampling key.
+        Raises ``ValueError`` for a config that is not hybrid (KDA and MLA layers both)."""
         kimi_linear._check_supported(config)
         if not config.kda_layer_ids or not config.full_attention_layer_ids:
             raise ValueError(
@@ -136,6 +157,7 @@ class ServingState:
 
     @property
     def max_context_len(self) -> int:
+        """Positions per request row: the longest prompt + generation a request may reach."""
         return self.req_to_token_pool.max_context_len
 
 
@@ -148,7 +170,34 @@ class ModelWorkerBatch:
     packed in ``input_ids`` after those of the requests before it. Sampling settings are per
     request: ``temperatures`` (0 = greedy), ``top_ks`` (0 = off), ``top_ps`` (1 = off),
     ``seeds``. Static: ``forward_mode``, ``kv_width`` (positions MLA attends over, >= every
-    ``seq_lens``) and ``max_extend_len`` (>= every ``extend_seq_lens``).
+    ``seq_lens``) and ``max_extend_len`` (>= every ``extend_seq_lens``). The static fields
+    and the array shapes are the step's shape bucket: ``jax.jit(step)`` compiles once per
+    bucket. Build one with ``make_worker_batch``.
+
+    A mixed batch padded to ``B = 3`` requests and ``T = 8`` tokens: row 1 prefills a 3-token
+    prompt while row 2, with 4 tokens in the pools, decodes one more:
+
+    >>> batch = make_worker_batch(
+    ...     [WorkItem(req_index=1, prefix_len=0, token_ids=[5, 6, 7]),
+    ...      WorkItem(req_index=2, prefix_len=4, token_ids=[9], sampling=SamplingParams(0.7))],
+    ...     vocab_size=64, max_context_len=16, num_requests=3, num_tokens=8)
+    >>> batch.forward_mode, batch.batch_size, batch.num_tokens
+    (<ForwardMode.EXTEND: 1>, 3, 8)
+    >>> batch.input_ids.tolist()  # new tokens packed request by request, padding at the tail
+    [5, 6, 7, 9, 0, 0, 0, 0]
+    >>> batch.req_pool_indices.tolist(), batch.seq_lens.tolist(), batch.extend_seq_lens.tolist()
+    ([1, 2, 0], [3, 5, 0], [3, 1, 0])
+    >>> batch.temperatures  # per request; the padding row is greedy
+    Array([0. , 0.7, 0. ], dtype=float32)
+    >>> batch.kv_width, batch.max_extend_len  # defaults: the longest request, most new tokens
+    (5, 3)
+
+    After the step, ``next_decode`` feeds each request's sampled token back as a DECODE
+    batch (``kv_width`` must leave room for it):
+
+    >>> dec = batch.replace(kv_width=16).next_decode(jnp.array([11, 12, 0]))
+    >>> dec.forward_mode, dec.input_ids.tolist(), dec.seq_lens.tolist()
+    (<ForwardMode.DECODE: 2>, [11, 12, 0], [4, 6, 0])
     """
 
     input_ids: Int[Array, " T"]
@@ -165,15 +214,18 @@ class ModelWorkerBatch:
 
     @property
     def batch_size(self) -> int:
+        """``B``: request rows of the batch, padding included."""
         return self.req_pool_indices.shape[0]
 
     @property
     def num_tokens(self) -> int:
+        """``T``: token positions of the batch, padding included."""
         return self.input_ids.shape[0]
 
     def next_decode(self, next_token_ids: Int[Array, " B"]) -> ModelWorkerBatch:
         """The DECODE batch that feeds each live request's sampled token back (pure; use it in
-        a ``lax.scan``). ``kv_width`` must already leave room for the new token."""
+        a ``lax.scan``). ``kv_width`` must already leave room for the new token; sampling
+        settings are kept, padding rows stay padding."""
         live = self.req_pool_indices > 0
         return self.replace(
             input_ids=jnp.where(live, next_token_ids, 0).astype(jnp.int32),
@@ -186,7 +238,16 @@ class ModelWorkerBatch:
 
 class SamplingParams(NamedTuple):
     """Per-request sampling: greedy when ``temperature == 0``; ``top_k == 0`` and
-    ``top_p == 1`` switch those filters off; ``seed`` picks the request's random stream."""
+    ``top_p == 1`` switch those filters off; ``seed`` picks the request's random stream.
+
+    >>> SamplingParams()  # greedy
+    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1).check()  # valid: returns None
+    >>> SamplingParams(top_p=0.0).check()
+    Traceback (most recent call last):
+    ...
+    ValueError: top_p=0.0 must be in (0, 1]
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -194,6 +255,8 @@ class SamplingParams(NamedTuple):
     seed: int = 0
 
     def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting (``make_worker_batch`` and
+        ``Engine.add_request`` call it)."""
         if not (np.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
         if int(self.top_k) != self.top_k or self.top_k < 0:
@@ -206,7 +269,13 @@ class SamplingParams(NamedTuple):
 
 class WorkItem(NamedTuple):
     """One request's share of a step: row ``req_index`` with ``prefix_len`` tokens already in
-    the pools runs ``token_ids`` now."""
+    the pools runs ``token_ids`` now (a prompt, a prompt chunk, or one token to decode).
+
+    >>> prefill = WorkItem(req_index=1, prefix_len=0, token_ids=[5, 6, 7])
+    >>> decode = WorkItem(2, 4, [9], SamplingParams(temperature=0.7, seed=3))
+    >>> decode.prefix_len + len(decode.token_ids)  # the request's length after the step
+    5
+    """
 
     req_index: int
     prefix_len: int
@@ -225,7 +294,7 @@ def make_worker_batch(
     kv_width: int | None = None,
     max_extend_len: int | None = None,
 ) -> ModelWorkerBatch:
-    """Host side: pack ``items`` into a :class:`ModelWorkerBatch` padded to ``num_requests``
+    """Host side: pack ``items`` into a ``ModelWorkerBatch`` padded to ``num_requests``
     rows and ``num_tokens`` tokens (defaults: exactly what the items need; ``kv_width`` and
     ``max_extend_len`` default to the longest request and the most new tokens).
 
@@ -233,6 +302,19 @@ def make_worker_batch(
     vocabulary, a bad row, a row used twice, a request outgrowing ``max_context_len``, more
     than one token per request in a DECODE batch, bad sampling settings, or a batch that does
     not fit its buckets.
+
+    >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])],
+    ...                           vocab_size=64, max_context_len=16)
+    >>> batch.batch_size, batch.num_tokens, batch.kv_width, batch.max_extend_len
+    (2, 5, 3, 3)
+    >>> dec = make_worker_batch([WorkItem(1, 3, [4])], vocab_size=64, max_context_len=16,
+    ...                         forward_mode=ForwardMode.DECODE, num_requests=2, kv_width=16)
+    >>> dec.input_ids.tolist(), dec.req_pool_indices.tolist(), dec.seq_lens.tolist()
+    ([4, 0], [1, 0], [4, 0])
+    >>> make_worker_batch([WorkItem(1, 0, [70])], vocab_size=64, max_context_len=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: request 0 (row 1): token id 70 is outside the vocabulary [0, 64)
     """
     if not items:
         raise ValueError("make_worker_batch needs at least one request")
@@ -306,7 +388,20 @@ class StepOutput(NamedTuple):
     """What a step returns besides the new state: per request the sampled next token and the
     last new token's logits (float32), and ``ok``. ``ok`` False: the token slots ran out or the
     batch did not fit its buckets / named a free row; every request ran as padding, so only
-    the slot-0 sinks changed, the tokens are 0 and the logits meaningless."""
+    the slot-0 sinks changed, the tokens are 0 and the logits meaningless.
+
+    Its shapes, from ``jax.eval_shape`` (traces the step, computes and compiles nothing):
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+    ...                             num_token_slots=33)
+    >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])],
+    ...                           vocab_size=64, max_context_len=16)
+    >>> _, out = jax.eval_shape(step, kimi_linear.param_shapes(cfg), state, batch)
+    >>> out.next_token_ids.shape, out.logits.shape, out.ok.shape  # [B], [B, V], []
+    ((2,), (2, 64), ())
+    """
 
     next_token_ids: Int[Array, " B"]
     logits: Float[Array, "B V"]
@@ -323,11 +418,13 @@ def sample(
     temperatures: Float[Array, " B"],
     top_ks: Int[Array, " B"],
     top_ps: Float[Array, " B"],
-    keys: jax.Array,
+    keys: Key[Array, " B"],
 ) -> Int[Array, " B"]:
     """Per-row sampling: argmax where ``temperature == 0``; otherwise a draw from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens (0: all)
     and to the smallest set of most likely tokens whose probability reaches ``top_p``.
+    ``keys`` holds one typed PRNG key per row (``request_keys``). Row 0 below is greedy,
+    row 1 samples from its top-1 token only:
 
     >>> logits = jnp.array([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     >>> keys = jax.random.split(jax.random.key(0), 2)
@@ -366,9 +463,19 @@ def sample(
     return jnp.where(sampling, drawn, greedy)
 
 
-def request_keys(base: jax.Array, seeds: Int[Array, " B"], positions: Int[Array, " B"]):
+def request_keys(
+    base: Key[Array, ""], seeds: Int[Array, " B"], positions: Int[Array, " B"]
+) -> Key[Array, " B"]:
     """The sampling key of each request's token at ``positions``: a function of the base key,
-    the request's seed and the position only."""
+    the request's seed and the position only (so not of the batch it runs in).
+
+    >>> base = jax.random.key(0)
+    >>> keys = request_keys(base, jnp.array([3, 3, 4]), jnp.array([10, 10, 10]))
+    >>> keys.shape
+    (3,)
+    >>> [bool((jax.random.key_data(keys[0]) == jax.random.key_data(k)).all()) for k in keys]
+    [True, True, False]
+    """
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(base, s), p))(
         seeds, positions
     )
@@ -415,8 +522,12 @@ def _batch_fits(state: ServingState, batch: ModelWorkerBatch):
         ext >= 0)
 
 
-def step(params, state: ServingState, batch: ModelWorkerBatch):
-    """One serving step: ``(new_state, StepOutput)``. Pure; jit it with the state donated.
+def step(
+    params, state: ServingState, batch: ModelWorkerBatch
+) -> tuple[ServingState, StepOutput]:
+    """One serving step: ``new_state, out = step(params, state, batch)``. Pure; jit it with
+    the state donated (``jax.jit(step, donate_argnums=1)``); it compiles once per shape bucket
+    of ``batch``.
 
     Allocates a token slot for every new token and records it in ``req_to_token``; runs the
     model through the hybrid backend (MLA latents and KDA states written to the pools);
@@ -424,6 +535,46 @@ def step(params, state: ServingState, batch: ModelWorkerBatch):
     token are padding. If the token slots run out, or the batch names a row that is not
     allocated or a length beyond its buckets, ``ok`` is False: every request runs as padding,
     so only the slot-0 sinks are written and every live slot is unchanged.
+
+    Two prompts in one EXTEND batch; row 2's prompt ``[8, 9, 10, 11]`` comes in two chunks:
+
+    >>> from hybridattn.models import kimi_linear
+    >>> from hybridattn.pools import alloc_reqs_or_raise
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = kimi_linear.init_params(cfg, jax.random.key(0))
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+    ...                             num_token_slots=33)
+    >>> pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, 2)  # rows 1 and 2
+    >>> state = state.replace(req_to_token_pool=pool)
+    >>> bucket = dict(vocab_size=64, max_context_len=16, num_requests=2, num_tokens=8,
+    ...               kv_width=16, max_extend_len=8)
+    >>> run = jax.jit(step, donate_argnums=1)
+    >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])], **bucket)
+    >>> state, out = run(params, state, batch)
+    >>> bool(out.ok), out.next_token_ids.shape, out.logits.shape
+    (True, (2,), (2, 64))
+    >>> state.token_allocator.num_used  # one MLA token slot per new token
+    5
+
+    A mixed batch in the same bucket (no new compilation): row 1 decodes the token it
+    sampled while row 2 runs the rest of its prompt (its sample above was discarded):
+
+    >>> first = int(out.next_token_ids[0])
+    >>> batch = make_worker_batch([WorkItem(1, 3, [first]), WorkItem(2, 2, [10, 11])],
+    ...                           **bucket)
+    >>> state, out = run(params, state, batch)
+    >>> state.req_to_token_pool.req_to_token[1:, :5].tolist()  # token slot per position
+    [[1, 2, 3, 6, 0], [4, 5, 7, 8, 0]]
+
+    A failed step changes nothing live. ``release`` frees row 1 and its 4 token slots; a
+    batch that still names row 1 comes back with ``ok`` False:
+
+    >>> state = release(state, jnp.array([1]))
+    >>> state.token_allocator.num_used
+    4
+    >>> state, out = run(params, state, make_worker_batch([WorkItem(1, 4, [3])], **bucket))
+    >>> bool(out.ok), out.next_token_ids.tolist(), state.token_allocator.num_used
+    (False, [0, 0], 4)
     """
     cfg = state.config
     T = batch.num_tokens
@@ -468,12 +619,31 @@ def step(params, state: ServingState, batch: ModelWorkerBatch):
     return new, StepOutput(tokens, logits, ok)
 
 
-def decode_steps(params, state: ServingState, batch: ModelWorkerBatch, num_steps: int):
+def decode_steps(
+    params, state: ServingState, batch: ModelWorkerBatch, num_steps: int
+) -> tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]:
     """``num_steps`` greedy-or-sampled decode steps in one ``lax.scan``, starting from a
     DECODE ``batch`` whose ``input_ids`` are each request's next token and whose ``kv_width``
     has room for ``num_steps`` more tokens. Returns ``(state, tokens [num_steps, B], ok)``;
     ``tokens[i]`` is what step ``i`` sampled, ``ok`` is False if any step ran out of slots
-    (that step and the later ones changed nothing)."""
+    (that step and the later ones changed nothing).
+
+    Jit it with ``num_steps`` static: ``jax.jit(decode_steps, static_argnums=3,
+    donate_argnums=1)``. Here only its shapes (``jax.eval_shape`` compiles nothing), for
+    rows 1 and 2 with 3 and 2 tokens in the pools:
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+    ...                             num_token_slots=33)
+    >>> batch = make_worker_batch([WorkItem(1, 3, [11]), WorkItem(2, 2, [12])],
+    ...                           vocab_size=64, max_context_len=16,
+    ...                           forward_mode=ForwardMode.DECODE, kv_width=16)
+    >>> _, tokens, ok = jax.eval_shape(lambda p, s, b: decode_steps(p, s, b, 8),
+    ...                                kimi_linear.param_shapes(cfg), state, batch)
+    >>> tokens.shape, tokens.dtype, ok.shape  # [num_steps, B]
+    ((8, 2), dtype('int32'), ())
+    """
 
     def body(carry, _):
         state, batch, ok = carry
@@ -491,7 +661,22 @@ def release(
 ) -> ServingState:
     """Free finished requests: every token slot recorded in their rows of ``req_to_token``,
     their rows and their recurrent-state slots. Row 0, rows not in use and repeats are
-    ignored. Pure."""
+    ignored, as are rows whose ``mask`` entry is False. Pure; jit it with the state donated.
+
+    Row 2 holds 3 token slots (written here by hand, as ``step`` would):
+
+    >>> from hybridattn.pools import alloc, alloc_reqs_or_raise, write_token_slots
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=16,
+    ...                             num_token_slots=33)
+    >>> pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, 2)
+    >>> allocator, slots, ok = alloc(state.token_allocator, 3, max_count=3)
+    >>> pool = write_token_slots(pool, jnp.array([2, 2, 2]), jnp.arange(3), slots)
+    >>> state = state.replace(req_to_token_pool=pool, token_allocator=allocator)
+    >>> state = release(state, jnp.array([2, 0, 2]))  # row 0 and the repeat are ignored
+    >>> state.token_allocator.num_used, state.req_to_token_pool.req_to_state.tolist()
+    (0, [0, 1, 0])
+    """
     pool = state.req_to_token_pool
     num_rows = pool.req_to_token.shape[0]
     rows = jnp.clip(req_pool_indices, 0, num_rows - 1)

@@ -14,8 +14,8 @@ KDA layers hand the backend their projections, conv weights, gate and beta; MLA 
 the query, the latent ``c_kv`` / ``k_pe`` and ``kv_b_proj`` split per head. Kimi-Linear's MLA
 applies no rotary embedding (``mla_use_nope``), as in mlx-lm.
 
-:func:`apply` is the cache-free forward of a ``[B, T]`` batch of token ids (the reference the
-serving path must match, and what one trains with); :func:`save_pretrained` and :func:`load`
+``apply`` is the cache-free forward of a ``[B, T]`` batch of token ids (the reference the
+serving path must match, and what one trains with); ``save_pretrained`` and ``load``
 write and read Hugging Face checkpoint directories (``config.json`` plus ``model.safetensors``
 or shards with ``model.safetensors.index.json``) in the released naming::
 
@@ -32,11 +32,12 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Key, UInt32
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -45,9 +46,23 @@ from hybridattn.ops import kda_chunked, kda_gate, l2norm, short_conv
 
 Params = dict
 
+# Shape aliases:
+#   B, T  sequences and their tokens (``apply``); T is also the tokens of a serving batch
+#   N     tokens, flattened (MLP / MoE inputs); D hidden size; V vocabulary
+#   k     experts per token; H heads
 
-def rms_norm(x, weight, eps: float):
-    """``x / rms(x) * weight`` over the last axis, in f32, returned in ``x.dtype``."""
+
+def rms_norm(
+    x: Float[Array, "*batch D"], weight: Float[Array, " D"], eps: float
+) -> Float[Array, "*batch D"]:
+    """``x / rms(x) * weight`` over the last axis, in f32, returned in ``x.dtype``.
+
+    >>> x = jnp.array([[2.0, -2.0], [4.0, 4.0]])
+    >>> rms_norm(x, jnp.array([1.0, 0.5]), eps=0.0).tolist()
+    [[1.0, -0.5], [1.0, 0.5]]
+    >>> rms_norm(x.astype(jnp.bfloat16), jnp.ones(2), eps=1e-5).dtype
+    dtype(bfloat16)
+    """
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
@@ -80,11 +95,13 @@ def _check_supported(config: KimiLinearConfig) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def init_params(config: KimiLinearConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random parameters in the checkpoint layout (the tree of :func:`param_shapes`):
+def init_params(
+    config: KimiLinearConfig, key: Key[Array, ""] | UInt32[Array, " 2"], dtype=jnp.float32
+) -> Params:
+    """Random parameters in the checkpoint layout (the tree of ``param_shapes``):
     normal(0, 0.02) weights, unit norms, conv weights normal(0, 0.3), ``dt_bias`` normal(0,
     0.5), router bias normal(0, 0.1) and ``A_log = log(U(1, 16))`` as mlx-lm initialises it.
-    Drawn on the host with NumPy (no compilation).
+    Drawn on the host with NumPy (no compilation); the same key gives the same parameters.
 
     >>> cfg = KimiLinearConfig.tiny()
     >>> p = init_params(cfg, jax.random.key(0))
@@ -152,17 +169,38 @@ def to_checkpoint(params: Params) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 
 
-def dense_mlp(p: Params, x):
+def dense_mlp(p: Params, x: Float[Array, "N D"]) -> Float[Array, "N D"]:
+    """The SwiGLU MLP of dense layers and shared experts:
+    ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> mlp = init_params(cfg, jax.random.key(0))["model"]["layers"][0]["mlp"]  # dense layer
+    >>> mlp["gate_proj"]["weight"].shape  # [intermediate_size, D]
+    (128, 32)
+    >>> dense_mlp(mlp, jnp.ones((3, 32))).shape
+    (3, 32)
+    """
     return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]),
                    p["down_proj"])
 
 
-def route(p_gate: Params, config: KimiLinearConfig, x):
+def route(
+    p_gate: Params, config: KimiLinearConfig, x: Float[Array, "N D"]
+) -> tuple[Int[Array, "N k"], Float[Array, "N k"]]:
     """Router: ``(expert ids [N, k], weights [N, k])`` for ``N`` tokens ``x [N, D]``.
 
     Sigmoid (or softmax) scores; the selection adds ``e_score_correction_bias`` and, with
     expert groups, keeps the ``topk_group`` groups of highest top-2 sum; weights are the
-    unbiased scores of the chosen experts, renormalised and scaled by ``routed_scaling_factor``.
+    unbiased scores of the chosen experts, renormalised (``moe_renormalize``) and scaled by
+    ``routed_scaling_factor``. Weights are float32.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> moe = init_params(cfg, jax.random.key(0))["model"]["layers"][1]["block_sparse_moe"]
+    >>> ids, weights = route(moe["gate"], cfg, jnp.ones((3, 32)))
+    >>> ids.shape, weights.shape  # top-2 of 4 experts for each of 3 tokens
+    ((3, 2), (3, 2))
+    >>> bool(jnp.allclose(weights.sum(-1), cfg.routed_scaling_factor))
+    True
     """
     logits = _linear(x.astype(jnp.float32), {"weight": p_gate["weight"].astype(jnp.float32)})
     if config.moe_router_activation_func == "sigmoid":
@@ -226,7 +264,9 @@ def _blocked_experts(x, idx, weights, w1, w2, w3):
     return jnp.zeros((N, D), ys.dtype).at[token].add(ys)
 
 
-def sparse_moe(p: Params, config: KimiLinearConfig, x):
+def sparse_moe(
+    p: Params, config: KimiLinearConfig, x: Float[Array, "N D"]
+) -> Float[Array, "N D"]:
     """Routed experts plus shared experts, for ``x [N, D]``.
 
     Three exact evaluations of the same sum, picked by shape and platform at trace time:
@@ -240,6 +280,13 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
       zero) routing weights. XLA:CPU lowers ``ragged_dot`` to this same dense product anyway,
       after copying the transposed expert weights on every call; this skips the copies.
     * otherwise (GPU / TPU): tokens sorted by expert and grouped matmuls (``ragged_dot``).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> moe = init_params(cfg, jax.random.key(0))["model"]["layers"][1]["block_sparse_moe"]
+    >>> moe["experts"]["w1"].shape  # stacked routed experts [E, I, D]
+    (4, 32, 32)
+    >>> sparse_moe(moe, cfg, jnp.ones((3, 32))).shape
+    (3, 32)
     """
     N, D = x.shape
     k, E = config.num_experts_per_token, config.num_experts
@@ -284,8 +331,28 @@ def sparse_moe(p: Params, config: KimiLinearConfig, x):
 # --------------------------------------------------------------------------------------------
 
 
-def kda_attention(p: Params, config: KimiLinearConfig, layer_id: int, x, backend, batch):
-    """KDA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``."""
+def kda_attention(
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+) -> tuple[Float[Array, "T D"], Any]:
+    """KDA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
+
+    The layer computes its projections, gate ``g`` (``hybridattn.ops.kda_gate``) and
+    ``beta``; ``out, batch = backend(layer_id, batch, **inputs)`` runs the short convs and the
+    KDA recurrence (carrying each request's states in ``batch``) and returns ``[T, H, Dv]``;
+    the layer then applies the gated RMS-norm and ``o_proj``. Any callable with that
+    signature serves; this one only shows what the layer hands it:
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> attn = init_params(cfg, jax.random.key(0))["model"]["layers"][0]["self_attn"]
+    >>> def backend(layer_id, batch, **inputs):
+    ...     print(layer_id, {name: a.shape for name, a in inputs.items()})
+    ...     return jnp.zeros((3, 4, 16)), batch  # [T, H, Dv]
+    >>> out, _ = kda_attention(attn, cfg, 0, jnp.ones((3, 32)), backend, None)
+    0 {'q': (3, 64), 'k': (3, 64), 'v': (3, 64), 'g': (3, 4, 16), 'beta': (3, 4),
+       'q_conv': (64, 1, 4), 'k_conv': (64, 1, 4), 'v_conv': (64, 1, 4)}
+    >>> out.shape
+    (3, 32)
+    """
     T = x.shape[0]
     H, Dk = config.linear_num_heads, config.linear_head_dim
     a = _linear(_linear(x, p["f_a_proj"]), p["f_b_proj"]).reshape(T, H, Dk)
@@ -304,8 +371,20 @@ def kda_attention(p: Params, config: KimiLinearConfig, layer_id: int, x, backend
     return _linear(o.reshape(T, H * Dk), p["o_proj"]), batch
 
 
-def mla_split(p: Params, config: KimiLinearConfig, x):
-    """MLA projections of ``x [T, D]``: ``q_nope, q_pe, c_kv, k_pe, w_kc, w_vc``."""
+def mla_split(
+    p: Params, config: KimiLinearConfig, x: Float[Array, "T D"]
+) -> dict[str, Float[Array, "..."]]:
+    """MLA projections of ``x [T, D]``: ``q_nope, q_pe, c_kv, k_pe, w_kc, w_vc``, the inputs
+    an MLA backend receives. ``c_kv`` (after its norm) and ``k_pe`` are what the latent
+    cache keeps per token; ``w_kc`` / ``w_vc`` are ``kv_b_proj`` split per head, which
+    decompress a latent into a head's key and value.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> attn = init_params(cfg, jax.random.key(0))["model"]["layers"][1]["self_attn"]
+    >>> {name: a.shape for name, a in mla_split(attn, cfg, jnp.ones((3, 32))).items()}
+    {'q_nope': (3, 4, 16), 'q_pe': (3, 4, 8), 'c_kv': (3, 32), 'k_pe': (3, 8),
+     'w_kc': (4, 16, 32), 'w_vc': (4, 16, 32)}
+    """
     T = x.shape[0]
     H, dn, dv = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
     r = config.kv_lora_rank
@@ -317,14 +396,47 @@ def mla_split(p: Params, config: KimiLinearConfig, x):
                 w_kc=kv_b[:, :dn], w_vc=kv_b[:, dn:])
 
 
-def mla_attention(p: Params, config: KimiLinearConfig, layer_id: int, x, backend, batch):
-    """MLA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``."""
+def mla_attention(
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+) -> tuple[Float[Array, "T D"], Any]:
+    """MLA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
+
+    ``out, batch = backend(layer_id, batch, **mla_split(p, config, x))`` attends (writing
+    the new tokens' latents into the cache in ``batch``) and returns ``[T, H, dv]``; the
+    layer applies ``o_proj``. A backend with no cache, in which every token attends to
+    itself only (its value, decompressed from its latent):
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> attn = init_params(cfg, jax.random.key(0))["model"]["layers"][1]["self_attn"]
+    >>> def itself(layer_id, batch, *, c_kv, w_vc, **_):
+    ...     return jnp.einsum("tr,hdr->thd", c_kv, w_vc), batch
+    >>> out, _ = mla_attention(attn, cfg, 1, jnp.ones((3, 32)), itself, None)
+    >>> out.shape
+    (3, 32)
+    """
     T = x.shape[0]
     o, batch = backend(layer_id, batch, **mla_split(p, config, x))
     return _linear(o.reshape(T, -1), p["o_proj"]), batch
 
 
-def decoder_layer(p: Params, config: KimiLinearConfig, layer_id: int, x, backend, batch):
+def decoder_layer(
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+) -> tuple[Float[Array, "T D"], Any]:
+    """One pre-norm residual block on ``x [T, D]``: ``(x, batch)``. Attention (KDA or MLA by
+    ``layer_id``, through ``backend``) then the MLP (dense, or ``sparse_moe`` on MoE layers).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> layers = init_params(cfg, jax.random.key(0))["model"]["layers"]
+    >>> def backend(layer_id, batch, **inputs):  # shows which inputs each layer type sends
+    ...     print(layer_id, sorted(inputs))
+    ...     return jnp.zeros((3, 4, 16)), batch  # [T, H, Dv]
+    >>> x, _ = decoder_layer(layers[0], cfg, 0, jnp.ones((3, 32)), backend, None)
+    0 ['beta', 'g', 'k', 'k_conv', 'q', 'q_conv', 'v', 'v_conv']
+    >>> x, _ = decoder_layer(layers[1], cfg, 1, x, backend, None)
+    1 ['c_kv', 'k_pe', 'q_nope', 'q_pe', 'w_kc', 'w_vc']
+    >>> x.shape
+    (3, 32)
+    """
     h = rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)
     attn = kda_attention if config.is_kda_layer(layer_id) else mla_attention
     a, batch = attn(p["self_attn"], config, layer_id, h, backend, batch)
@@ -337,9 +449,31 @@ def decoder_layer(p: Params, config: KimiLinearConfig, layer_id: int, x, backend
     return x + m, batch
 
 
-def forward(params: Params, config: KimiLinearConfig, backend, batch):
+def forward(
+    params: Params, config: KimiLinearConfig, backend, batch
+) -> tuple[Float[Array, "T D"], Any]:
     """Serving forward over ``batch.input_ids [T]``: ``(hidden [T, D], batch)`` with the
-    batch's pools updated by every layer. ``backend`` must carry this batch's metadata."""
+    batch's pools updated by every layer. ``backend`` must carry this batch's metadata.
+    ``hybridattn.step`` runs it for you; by hand, one 3-token prompt in row 1 (token slots
+    1-3), shapes only (``jax.eval_shape`` compiles nothing):
+
+    >>> from hybridattn import BatchRequest, ServingState, make_forward_batch
+    >>> from hybridattn.pools import alloc_reqs_or_raise, write_token_slots
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = ServingState.create(cfg, max_running_requests=1, max_context_len=8,
+    ...                             num_token_slots=9)
+    >>> req, rows = alloc_reqs_or_raise(state.req_to_token_pool, 1)
+    >>> req = write_token_slots(req, jnp.array([1, 1, 1]), jnp.arange(3), jnp.array([1, 2, 3]))
+    >>> batch = make_forward_batch(
+    ...     [BatchRequest(req_index=1, prefix_len=0, token_ids=[5, 6, 7], slots=[1, 2, 3])],
+    ...     req_to_token_pool=req, token_to_kv_pool=state.token_to_kv_pool,
+    ...     recurrent_state_pool=state.recurrent_state_pool)
+    >>> backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(batch))
+    >>> hidden, batch = jax.eval_shape(lambda p, b: forward(p, cfg, backend, b),
+    ...                                param_shapes(cfg), batch)
+    >>> hidden.shape, batch.token_to_kv_pool.c_kv[0].shape  # [T, D]; the updated MLA pool
+    ((3, 32), (9, 32))
+    """
     _check_supported(config)
     x = params["model"]["embed_tokens"]["weight"][batch.input_ids]
     for i, layer in enumerate(params["model"]["layers"]):
@@ -347,8 +481,19 @@ def forward(params: Params, config: KimiLinearConfig, backend, batch):
     return rms_norm(x, params["model"]["norm"]["weight"], config.rms_norm_eps), batch
 
 
-def compute_logits(params: Params, config: KimiLinearConfig, hidden) -> Float[Array, "N V"]:
-    """Logits (float32) of final hidden states ``[N, D]``."""
+def compute_logits(
+    params: Params, config: KimiLinearConfig, hidden: Float[Array, "N D"]
+) -> Float[Array, "N V"]:
+    """Logits (float32) of final hidden states ``[N, D]``: ``lm_head``, or the embedding
+    when ``tie_word_embeddings``.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> compute_logits(params, cfg, jnp.ones((3, 32), jnp.bfloat16)).dtype
+    dtype('float32')
+    >>> compute_logits(params, cfg, jnp.ones((3, 32))).shape  # [N, V]
+    (3, 64)
+    """
     head = (params["model"]["embed_tokens"] if config.tie_word_embeddings
             else params["lm_head"])["weight"]
     return hidden.astype(jnp.float32) @ head.T.astype(jnp.float32)
@@ -361,7 +506,7 @@ def compute_logits(params: Params, config: KimiLinearConfig, hidden) -> Float[Ar
 
 @dataclasses.dataclass(frozen=True)
 class _DenseAttention:
-    """Attention backend of :func:`apply`: every layer sees the whole ``[B, T]`` batch (tokens
+    """Attention backend of ``apply``: every layer sees the whole ``[B, T]`` batch (tokens
     flattened to ``B * T``, batch-major) and no cache; ``batch`` passes through untouched."""
 
     config: KimiLinearConfig
@@ -418,14 +563,27 @@ def apply(
     """Cache-free forward of ``input_ids [B, T]``: logits ``[B, T, vocab]`` in float32.
 
     Every row is one sequence starting at position 0 (no padding). The layers are the serving
-    path's own (:func:`decoder_layer`); attention runs densely over each row: KDA through
-    :func:`hybridattn.ops.kda_chunked`, MLA as causal softmax attention over the decompressed
+    path's own (``decoder_layer``); attention runs densely over each row: KDA through
+    ``hybridattn.ops.kda_chunked``, MLA as causal softmax attention over the decompressed
     keys and values. Pure and differentiable; compiles with ``config`` static
     (``jax.jit(apply, static_argnums=1)``; ``static_argnames="chunk_size"`` too to set the
     KDA chunk, a power of two, which changes no result). Matmuls run in the parameters' dtype
-    (bf16 parameters give a bf16 forward), recurrent states and attention in float32::
+    (bf16 parameters give a bf16 forward), recurrent states and attention in float32.
 
-        logits = jax.jit(apply, static_argnums=1)(params, config, input_ids)  # [B, T, V]
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> fwd = jax.jit(apply, static_argnums=1)
+    >>> input_ids = jnp.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    >>> logits = fwd(params, cfg, input_ids)
+    >>> logits.shape, logits.dtype  # [B, T, V]
+    ((2, 4, 64), dtype('float32'))
+    >>> greedy_next = logits[:, -1].argmax(-1)  # each row's next token, [B]
+
+    Causal: changing the last token changes no earlier position's logits.
+
+    >>> other = fwd(params, cfg, input_ids.at[:, -1].set(9))
+    >>> bool(jnp.allclose(other[:, :-1], logits[:, :-1], atol=1e-5))
+    True
     """
     _check_supported(config)
     input_ids = jnp.asarray(input_ids)
@@ -461,7 +619,7 @@ def _keeps_f32(name: str) -> bool:
 
 
 def param_shapes(config: KimiLinearConfig, dtype=jnp.float32) -> Params:
-    """The tree :func:`init_params` returns, as ``jax.ShapeDtypeStruct`` leaves (nothing is
+    """The tree ``init_params`` returns, as ``jax.ShapeDtypeStruct`` leaves (nothing is
     allocated): ``A_log``, ``dt_bias`` and ``e_score_correction_bias`` are float32, the rest
     ``dtype``.
 
@@ -530,7 +688,7 @@ def param_shapes(config: KimiLinearConfig, dtype=jnp.float32) -> Params:
 
 
 def _expected_tensors(config: KimiLinearConfig) -> dict[str, tuple[int, ...]]:
-    """``{tensor name: shape}`` of a checkpoint of ``config``, named as :func:`to_checkpoint`
+    """``{tensor name: shape}`` of a checkpoint of ``config``, named as ``to_checkpoint``
     names them (run on zero-strided placeholders, so nothing is allocated)."""
     ghost = jax.tree.map(lambda x: np.broadcast_to(np.zeros((), np.float32), x.shape),
                          param_shapes(config))
@@ -602,8 +760,8 @@ def _float_dtype(dtype, what: str):
 
 
 def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
-    """Rebuild the ``node`` subtree of :func:`param_shapes` from checkpoint tensors (the
-    inverse of :func:`to_checkpoint`'s walk; routed experts re-stacked)."""
+    """Rebuild the ``node`` subtree of ``param_shapes`` from checkpoint tensors (the
+    inverse of ``to_checkpoint``'s walk; routed experts re-stacked)."""
     if isinstance(node, dict):
         if prefix.endswith("block_sparse_moe.experts"):
             return {name: np.stack([fetch(f"{prefix}.{e}.{name}.weight")
@@ -632,8 +790,8 @@ def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinear
 
 def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
                     dtype=jnp.float32) -> Params:
-    """Parameters in the :func:`init_params` layout from a flat ``{tensor name: array}`` in
-    the released naming (the inverse of :func:`to_checkpoint`).
+    """Parameters in the ``init_params`` layout from a flat ``{tensor name: array}`` in
+    the released naming (the inverse of ``to_checkpoint``).
 
     Routed experts are re-stacked; floating tensors are cast to ``dtype`` except ``A_log``,
     ``dt_bias`` and ``e_score_correction_bias`` (float32). A dense layer's MLP may be named
@@ -644,7 +802,7 @@ def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinea
     >>> cfg = KimiLinearConfig.tiny()
     >>> p = init_params(cfg, jax.random.key(0))
     >>> q = from_checkpoint(to_checkpoint(p), cfg)
-    >>> all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), p, q)))
+    >>> all(jax.tree.leaves(jax.tree.map(np.array_equal, p, q)))
     True
     """
     names = _canonical_names(tensors, config)
@@ -676,8 +834,23 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
 
     ``path`` holds ``config.json`` and ``model.safetensors`` or shards listed by
     ``model.safetensors.index.json``. Every tensor's name and shape is checked against the
-    config before any is read (see :func:`from_checkpoint` for the naming, dtypes and
-    errors). Params come out in the :func:`init_params` layout.
+    config before any is read (see ``from_checkpoint`` for the naming, dtypes and
+    errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
+    but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``.
+
+    A round trip through ``save_pretrained``:
+
+    >>> import tempfile
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     save_pretrained(params, cfg, path)
+    ...     config, loaded = load(path, dtype=jnp.bfloat16)
+    >>> config == cfg
+    True
+    >>> attn = loaded["model"]["layers"][0]["self_attn"]
+    >>> attn["q_proj"]["weight"].dtype, attn["A_log"].dtype
+    (dtype(bfloat16), dtype('float32'))
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -725,16 +898,29 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
 
 def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.PathLike[str], *,
                     dtype=None, max_shard_bytes: int | None = None) -> None:
-    """Write ``params`` as a Hugging Face checkpoint directory readable by :func:`load`,
+    """Write ``params`` as a Hugging Face checkpoint directory readable by ``load``,
     mlx-lm and transformers: ``config.json`` plus ``model.safetensors``, or, when the tensors
     exceed ``max_shard_bytes``, shards ``model-0000i-of-0000N.safetensors`` and
     ``model.safetensors.index.json``.
 
-    Tensor names are :func:`to_checkpoint`'s (the release's). ``dtype`` (e.g.
+    Tensor names are ``to_checkpoint``'s (the release's). ``dtype`` (e.g.
     ``jnp.bfloat16``) casts every tensor but ``A_log``, ``dt_bias`` and
     ``e_score_correction_bias``, which are written float32; ``None`` writes each as it is.
     ``params`` are checked against ``config`` first. A previous checkpoint's weight files in
     ``path`` are removed.
+
+    >>> import tempfile
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     save_pretrained(params, cfg, path, max_shard_bytes=150_000)
+    ...     files = sorted(os.listdir(path))
+    ...     _, loaded = load(path)
+    >>> files
+    ['config.json', 'model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors',
+     'model.safetensors.index.json']
+    >>> all(jax.tree.leaves(jax.tree.map(np.array_equal, params, loaded)))
+    True
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
