@@ -172,6 +172,27 @@ def _kda_step(state, q, k, v, g, beta, scale):
     return state, o
 
 
+def _varying_axes(x) -> frozenset:
+    t = jax.typeof(x)
+    axes = getattr(t, "vma", None)  # jax < 0.10
+    if axes is None:
+        axes = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(axes)
+
+
+def _varying_like(x, *refs):
+    """``x`` made to vary over every ``shard_map`` mesh axis that one of ``refs`` varies over.
+
+    Inside ``jax.shard_map`` a ``lax.scan`` carry must vary over the same mesh axes as what the
+    body returns, and a carry that starts as fresh zeros varies over none. Adding a zero built
+    from the reference (``zeros_like`` keeps its axes) fixes that; outside ``shard_map`` this
+    returns ``x`` itself."""
+    for r in refs:
+        if not _varying_axes(r) <= _varying_axes(x):
+            x = x + jnp.zeros_like(r, shape=x.shape, dtype=x.dtype)
+    return x
+
+
 def _initial_state(state, shape, what=""):
     """``state`` as f32 of ``shape`` (zeros if ``None``), or a ValueError naming the shape."""
     if state is None:
@@ -222,6 +243,7 @@ def kda_recurrent(
     def body(state, xs):
         return _kda_step(state, *xs, scale)
 
+    S0 = _varying_like(S0, q, k, v, g, beta)
     final, o = jax.lax.scan(body, S0, (f32(q), f32(k), f32(v), f32(g), f32(beta)))
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), final
 
@@ -407,6 +429,8 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
         return (S, finals), (o, jnp.stack(S_out, axis=1) if keep_states else None)
 
     finals = init if resets is not None else None
+    S0 = _varying_like(S0, *inputs)
+    finals = None if finals is None else _varying_like(finals, *inputs)
     xs = (jnp.arange(NG), resets)
     (S, finals), (o, S_out) = jax.lax.scan(body, (S0, finals), xs)
     ungroup = lambda x: x.reshape(B, NG * G, *x.shape[3:]) if B == 1 else jnp.moveaxis(

@@ -408,3 +408,37 @@ def test_clear_errors():
                         jnp.concatenate([beta, beta]), cu_seqlens=jnp.array([0, 10]))
     with pytest.raises(ValueError, match="conv weight"):
         ops.short_conv(jnp.zeros((1, 3, 4)), jnp.zeros((5, 4)))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "cu_seqlens"])
+def test_kernels_compose_with_shard_map_over_heads(packed):
+    """Heads are independent: each kernel runs under ``jax.shard_map`` with heads split over
+    two CPU devices (the scan carries must vary over the mesh axis like the inputs) and equals
+    the unsharded kernel, initial state given or not."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("h",))
+    B, T = (1, 40) if packed else (2, 40)
+    q, k, v, g, beta, s0 = make_inputs(3, B, T)
+    cu = jnp.array([0, 7, 7, 40]) if packed else None
+    if packed:
+        s0 = jnp.concatenate([s0, s0, s0])[:3]
+    tok, state = P(None, None, "h"), P(None, "h")
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    args = [put(x, tok) for x in (q, k, v, g, beta)]
+
+    def sharded(fn, with_state):
+        body = lambda q, k, v, g, b, s: fn(q, k, v, g, b, initial_state=s if with_state else None)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 5 + (state,),
+                                     out_specs=(tok, state)))
+
+    kernels = {"chunked": functools.partial(ops.kda_chunked, chunk_size=16, cu_seqlens=cu)}
+    if not packed:
+        kernels["recurrent"] = ops.kda_recurrent
+    for name, fn in kernels.items():
+        for with_state in (False, True):
+            o, s = sharded(fn, with_state)(*args, put(s0, state))
+            o_ref, s_ref = fn(q, k, v, g, beta, initial_state=s0 if with_state else None)
+            assert_close(o, o_ref, atol=1e-5), (name, with_state)
+            assert_close(s, s_ref, atol=1e-5), (name, with_state)
