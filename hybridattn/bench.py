@@ -8,7 +8,11 @@
 ``gated_delta_update(use_kernel=False)`` (its ops path, the one that runs on CPU) on the same
 inputs (gates included on both sides); decode step time for ``B`` in ``{1, 32}``; compile
 times apart; achieved GFLOP/s of the chunked form and its fraction of this machine's f32 matmul
-peak, measured in the same run.
+peak, measured in the same run. With ``--devices N`` (default: 2 where the machine has 2 or
+more cores) the chunked and recurrent kernels also run with the heads split over ``N`` CPU
+devices under ``jax.shard_map`` (heads are independent): XLA:CPU runs one device's chain of
+small matmuls on about one core, while the peak matmul uses them all. Those rows are compared
+with the recurrent kernel split the same way.
 
 ``serve``: prefill and decode tokens/s of :class:`hybridattn.Engine` at batch 1, 8 and 32 on a
 small Kimi-Linear (random weights, f32, CPU) against mlx-lm's ``kimi_linear`` on the same
@@ -93,8 +97,9 @@ def _inputs(B: int, T: int, H: int, D: int, seed: int = 0):
     )
 
 
-def _ours(x, chunk_size: int | None):
-    """A jitted KDA over the raw gate inputs (gate + beta computed inside, like mlx-lm)."""
+def _ours(x, chunk_size: int | None, mesh=None):
+    """A jitted KDA over the raw gate inputs (gate + beta computed inside, like mlx-lm); with
+    ``mesh`` (one axis ``"h"``), under ``shard_map`` with the heads split over its devices."""
 
     def f(q, k, v, a, b, A_log, dt_bias):
         g = ops.kda_gate(a, A_log, dt_bias)
@@ -104,10 +109,26 @@ def _ours(x, chunk_size: int | None):
         return ops.kda_chunked(q, k, v, g, beta, chunk_size=chunk_size)
 
     args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        tok, head = P(None, None, "h"), P("h")  # dt_bias [H*D] is head-major: split it too
+        specs = (tok, tok, tok, tok, tok, head, head)
+        f = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(tok, P(None, "h")))
+        args = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs,
+                                                                             strict=True)]
     t0 = time.perf_counter()
     compiled = jax.jit(f).lower(*args).compile()
     compile_s = time.perf_counter() - t0
     return (lambda: compiled(*args)), compile_s
+
+
+def default_devices() -> int:
+    """CPU devices for the split-heads rows: 2 on a machine with 2 or more cores, else 1."""
+    import os
+
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
 def _mlx(x, B: int, H: int, D: int):
@@ -130,8 +151,16 @@ def _mlx(x, B: int, H: int, D: int):
 
 
 def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
-              chunk_sizes: tuple[int, ...] = (32, 64)) -> dict:
+              chunk_sizes: tuple[int, ...] = (32, 64), devices: int = 1) -> dict:
+    """Run the KDA benchmark (see the module docstring); ``devices > 1`` needs that many JAX
+    devices (``main`` sets ``jax_num_cpu_devices`` before JAX starts)."""
     B, H, D = 1, 4, 128
+    mesh = None
+    if devices > 1:
+        if H % devices or len(jax.devices()) < devices:
+            raise ValueError(f"devices={devices} must divide H={H} and be at most the "
+                             f"{len(jax.devices())} JAX devices")
+        mesh = jax.make_mesh((devices,), ("h",), devices=jax.devices()[:devices])
     Ts = [1024, 4096] if quick else [1024, 4096, 16384]
     rounds = 4 if quick else 12
     matmul = _matmul_run()
@@ -150,6 +179,10 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
         for C in chunk_sizes:
             runs[f"chunked{C}"], compile_s[f"chunked{C}"] = _ours(x, C)
         runs["recurrent"], compile_s["recurrent"] = _ours(x, None)
+        if mesh is not None:
+            for C in chunk_sizes:
+                runs[f"split{C}"], compile_s[f"split{C}"] = _ours(x, C, mesh)
+            runs["split_recurrent"], compile_s["split_recurrent"] = _ours(x, None, mesh)
         # The peak is measured in the same rounds, under the same load as the kernels.
         runs["matmul"] = matmul
         sync = dict.fromkeys(runs, jax.block_until_ready)
@@ -167,15 +200,24 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
         if "mlx_ops" in best:
             row["mlx_ops_tok_s"] = T / best["mlx_ops"]
             row["mlx_ops_ms"] = best["mlx_ops"] * 1e3
-        for C in chunk_sizes:
-            t = best[f"chunked{C}"]
+        if mesh is not None:
+            row.update(split_recurrent_tok_s=T / best["split_recurrent"],
+                       split_recurrent_ms=best["split_recurrent"] * 1e3,
+                       split_recurrent_compile_s=compile_s["split_recurrent"], split={})
+
+        def entry(name, C, recurrent):
+            t = best[name]
             gflops = chunked_flops(T, H, D, D, C) / t / 1e9
-            entry = dict(tok_s=T / t, ms=t * 1e3, compile_s=compile_s[f"chunked{C}"],
-                         gflops=gflops, peak_fraction=gflops / peak,
-                         vs_recurrent=best["recurrent"] / t)
+            e = dict(tok_s=T / t, ms=t * 1e3, compile_s=compile_s[name], gflops=gflops,
+                     peak_fraction=gflops / peak, vs_recurrent=best[recurrent] / t)
             if "mlx_ops" in best:
-                entry["vs_mlx_ops"] = best["mlx_ops"] / t
-            row["chunked"][C] = entry
+                e["vs_mlx_ops"] = best["mlx_ops"] / t
+            return e
+
+        for C in chunk_sizes:
+            row["chunked"][C] = entry(f"chunked{C}", C, "recurrent")
+            if mesh is not None:
+                row["split"][C] = entry(f"split{C}", C, "split_recurrent")
         rows.append(row)
 
     decode = []
@@ -217,7 +259,7 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
     return dict(
         machine=dict(platform=platform.platform(), backend=jax.default_backend(),
                      jax=jax.__version__),
-        shape=dict(B=B, H=H, Dk=D, Dv=D, chunk_sizes=list(chunk_sizes)),
+        shape=dict(B=B, H=H, Dk=D, Dv=D, chunk_sizes=list(chunk_sizes), devices=devices),
         prefill=rows,
         decode=decode,
     )
@@ -228,6 +270,9 @@ def _print_kda(res: dict) -> None:
     print(f"KDA prefill  B={s['B']} H={s['H']} Dk=Dv={s['Dk']}  backend="
           f"{res['machine']['backend']}  (% peak: of an f32 {PEAK_N}^2 matmul timed in the "
           f"same rounds)")
+    if s["devices"] > 1:
+        print(f"'/{s['devices']}': heads split over {s['devices']} CPU devices (shard_map); "
+              f"its 'vs recurrent' is against the recurrent kernel split the same way")
     hdr = (f"{'T':>6} | {'kernel':>12} | {'tok/s':>8} | {'ms':>8} | {'vs recurrent':>12} | "
            f"{'vs mlx-lm':>9} | {'GFLOP/s':>7} | {'% peak':>6} | {'compile s':>9}")
     print(hdr)
@@ -242,6 +287,17 @@ def _print_kda(res: dict) -> None:
         print(f"{r['T']:>6} | {'recurrent':>12} | {r['recurrent_tok_s']:8.0f} | "
               f"{r['recurrent_ms']:8.1f} | {'1.00x':>12} | {'':>9} | {'':>7} | {'':>6} | "
               f"{r['recurrent_compile_s']:9.2f}")
+        n = s["devices"]
+        for C, e in r.get("split", {}).items():
+            vs_mlx = f"{e['vs_mlx_ops']:8.1f}x" if "vs_mlx_ops" in e else f"{'-':>9}"
+            print(f"{r['T']:>6} | {f'chunked {C} /{n}':>12} | {e['tok_s']:8.0f} | "
+                  f"{e['ms']:8.1f} | {e['vs_recurrent']:11.2f}x | {vs_mlx} | "
+                  f"{e['gflops']:7.1f} | {100 * e['peak_fraction']:5.1f}% | "
+                  f"{e['compile_s']:9.2f}")
+        if "split_recurrent_tok_s" in r:
+            print(f"{r['T']:>6} | {f'recurrent /{n}':>12} | {r['split_recurrent_tok_s']:8.0f} | "
+                  f"{r['split_recurrent_ms']:8.1f} | {'1.00x':>12} | {'':>9} | {'':>7} | "
+                  f"{'':>6} | {r['split_recurrent_compile_s']:9.2f}")
         if "mlx_ops_tok_s" in r:
             print(f"{r['T']:>6} | {'mlx-lm ops':>12} | {r['mlx_ops_tok_s']:8.0f} | "
                   f"{r['mlx_ops_ms']:8.1f} |")
@@ -399,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="chunk sizes of kda_chunked to measure")
     k.add_argument("--mlx-max-t", type=int, default=4096,
                    help="longest T to run mlx-lm's ops path on (it is slow)")
+    k.add_argument("--devices", type=int, default=None,
+                   help="also run with the heads split over this many CPU devices "
+                        "(default: 2 on a machine with 2 or more cores; 1 = off)")
     sv = sub.add_parser("serve", help="the serving engine vs mlx-lm (and transformers)")
     sv.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sv.add_argument("--quick", action="store_true", help="batch sizes 1 and 8, one repeat")
@@ -420,8 +479,13 @@ def main(argv: list[str] | None = None) -> int:
             _print_serve(res)
         return 0
     if args.what == "kda":
+        devices = default_devices() if args.devices is None else args.devices
+        if devices > 1:
+            jax.config.update("jax_num_cpu_devices", devices)  # before JAX starts
+            if args.devices is None:  # e.g. one GPU: no split rows
+                devices = min(devices, len(jax.devices()))
         res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
-                        chunk_sizes=tuple(args.chunk_sizes))
+                        chunk_sizes=tuple(args.chunk_sizes), devices=devices)
         if args.json:
             json.dump(res, sys.stdout, indent=2)
             print()
