@@ -1,4 +1,6 @@
-"""The property tests on docs/testing.md run, and pass: the page shows working code."""
+"""The code on the documentation pages runs: docs/testing.md's property tests pass, and
+docs/getting-started.md's first ``step`` loop runs as printed (blocks that name a placeholder
+checkpoint path, ``path/to/...``, are illustrations and are skipped)."""
 
 from __future__ import annotations
 
@@ -9,22 +11,40 @@ import pytest
 
 from tests.conftest import HAVE_MLX
 
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "testing.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
-def test_the_page_has_its_three_examples():
-    assert len(BLOCKS) == 3
+def _blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_docs_testing_example(index):
-    code = BLOCKS[index]
+TESTING = _blocks("testing.md")
+GETTING_STARTED = [b for b in _blocks("getting-started.md") if "path/to" not in b]
+
+
+def _run(page, index, code) -> dict:
     if "mlxcache" in code and not HAVE_MLX:
         pytest.skip("mlx not installed")
-    namespace: dict = {"__name__": f"docs_testing_example_{index}"}
-    exec(compile(code, f"{PAGE}:block{index}", "exec"), namespace)
+    namespace: dict = {"__name__": f"docs_example_{index}"}
+    exec(compile(code, f"{DOCS / page}:block{index}", "exec"), namespace)
+    return namespace
+
+
+def test_the_pages_have_their_examples():
+    assert len(TESTING) == 3
+    assert len(GETTING_STARTED) == 1
+
+
+@pytest.mark.parametrize("index", range(len(TESTING)))
+def test_docs_testing_example(index):
+    namespace = _run("testing.md", index, TESTING[index])
     tests = [f for name, f in namespace.items() if name.startswith("test_") and callable(f)]
     assert tests, "the example defines no test"
     for test in tests:
         test()
+
+
+def test_getting_started_step_loop():
+    ns = _run("getting-started.md", 0, GETTING_STARTED[0])
+    assert ns["tokens"].shape == (8, 2)
+    assert int(ns["state"].token_allocator.num_used) == 0  # release gave every slot back
