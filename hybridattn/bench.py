@@ -277,27 +277,28 @@ def _print_kda(res: dict) -> None:
            f"{'vs mlx-lm':>9} | {'GFLOP/s':>7} | {'% peak':>6} | {'compile s':>9}")
     print(hdr)
     print("-" * len(hdr))
+    def chunked_line(T, label, e):
+        vs_mlx = f"{e['vs_mlx_ops']:8.1f}x" if "vs_mlx_ops" in e else f"{'-':>9}"
+        print(f"{T:>6} | {label:>12} | {e['tok_s']:8.0f} | {e['ms']:8.1f} | "
+              f"{e['vs_recurrent']:11.2f}x | {vs_mlx} | {e['gflops']:7.1f} | "
+              f"{100 * e['peak_fraction']:5.1f}% | {e['compile_s']:9.2f}")
+
+    def recurrent_line(T, label, tok_s, ms, compile_s):
+        print(f"{T:>6} | {label:>12} | {tok_s:8.0f} | {ms:8.1f} | {'1.00x':>12} | {'':>9} | "
+              f"{'':>7} | {'':>6} | {compile_s:9.2f}")
+
+    n = s["devices"]
     for r in res["prefill"]:
+        T = r["T"]
         for C, e in r["chunked"].items():
-            vs_mlx = f"{e['vs_mlx_ops']:8.1f}x" if "vs_mlx_ops" in e else f"{'-':>9}"
-            print(f"{r['T']:>6} | {'chunked ' + str(C):>12} | {e['tok_s']:8.0f} | "
-                  f"{e['ms']:8.1f} | {e['vs_recurrent']:11.2f}x | {vs_mlx} | "
-                  f"{e['gflops']:7.1f} | {100 * e['peak_fraction']:5.1f}% | "
-                  f"{e['compile_s']:9.2f}")
-        print(f"{r['T']:>6} | {'recurrent':>12} | {r['recurrent_tok_s']:8.0f} | "
-              f"{r['recurrent_ms']:8.1f} | {'1.00x':>12} | {'':>9} | {'':>7} | {'':>6} | "
-              f"{r['recurrent_compile_s']:9.2f}")
-        n = s["devices"]
+            chunked_line(T, f"chunked {C}", e)
+        recurrent_line(T, "recurrent", r["recurrent_tok_s"], r["recurrent_ms"],
+                       r["recurrent_compile_s"])
         for C, e in r.get("split", {}).items():
-            vs_mlx = f"{e['vs_mlx_ops']:8.1f}x" if "vs_mlx_ops" in e else f"{'-':>9}"
-            print(f"{r['T']:>6} | {f'chunked {C} /{n}':>12} | {e['tok_s']:8.0f} | "
-                  f"{e['ms']:8.1f} | {e['vs_recurrent']:11.2f}x | {vs_mlx} | "
-                  f"{e['gflops']:7.1f} | {100 * e['peak_fraction']:5.1f}% | "
-                  f"{e['compile_s']:9.2f}")
+            chunked_line(T, f"chunked {C} /{n}", e)
         if "split_recurrent_tok_s" in r:
-            print(f"{r['T']:>6} | {f'recurrent /{n}':>12} | {r['split_recurrent_tok_s']:8.0f} | "
-                  f"{r['split_recurrent_ms']:8.1f} | {'1.00x':>12} | {'':>9} | {'':>7} | "
-                  f"{'':>6} | {r['split_recurrent_compile_s']:9.2f}")
+            recurrent_line(T, f"recurrent /{n}", r["split_recurrent_tok_s"],
+                           r["split_recurrent_ms"], r["split_recurrent_compile_s"])
         if "mlx_ops_tok_s" in r:
             print(f"{r['T']:>6} | {'mlx-lm ops':>12} | {r['mlx_ops_tok_s']:8.0f} | "
                   f"{r['mlx_ops_ms']:8.1f} |")
@@ -482,8 +483,11 @@ def main(argv: list[str] | None = None) -> int:
         devices = default_devices() if args.devices is None else args.devices
         if devices > 1:
             jax.config.update("jax_num_cpu_devices", devices)  # before JAX starts
-            if args.devices is None:  # e.g. one GPU: no split rows
-                devices = min(devices, len(jax.devices()))
+            if jax.default_backend() != "cpu":  # the split rows are about CPU cores
+                if args.devices is not None:
+                    raise SystemExit("--devices splits heads over CPU devices: run with "
+                                     "JAX_PLATFORMS=cpu")
+                devices = 1
         res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
                         chunk_sizes=tuple(args.chunk_sizes), devices=devices)
         if args.json:

@@ -172,24 +172,15 @@ def _kda_step(state, q, k, v, g, beta, scale):
     return state, o
 
 
-def _varying_axes(x) -> frozenset:
-    t = jax.typeof(x)
-    axes = getattr(t, "vma", None)  # jax < 0.10
-    if axes is None:
-        axes = getattr(getattr(t, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(axes)
-
-
 def _varying_like(x, *refs):
     """``x`` made to vary over every ``shard_map`` mesh axis that one of ``refs`` varies over.
 
     Inside ``jax.shard_map`` a ``lax.scan`` carry must vary over the same mesh axes as what the
     body returns, and a carry that starts as fresh zeros varies over none. Adding a zero built
-    from the reference (``zeros_like`` keeps its axes) fixes that; outside ``shard_map`` this
-    returns ``x`` itself."""
+    from each reference (``zeros_like`` keeps its axes) fixes that; outside ``shard_map`` XLA
+    folds the additions away."""
     for r in refs:
-        if not _varying_axes(r) <= _varying_axes(x):
-            x = x + jnp.zeros_like(r, shape=x.shape, dtype=x.dtype)
+        x = x + jnp.zeros_like(r, shape=x.shape, dtype=x.dtype)
     return x
 
 

@@ -934,9 +934,15 @@ class WorkerBatchExample(NamedTuple):
     ``WorkItem`` s and the batch row of each (``positions[i]`` is ``items[i]``'s row in
     ``batch``; the other rows are padding).
 
-    >>> ex = WorkerBatchExample(None, None, (), ())
-    >>> ex.items
-    ()
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=3, deadline=None)
+    ... @given(worker_batches(KimiLinearConfig.tiny(), max_running_requests=2,
+    ...                       max_context_len=16, num_tokens=(8,)))
+    ... def test_items_sit_at_their_positions(ex):
+    ...     for item, row in zip(ex.items, ex.positions):
+    ...         assert int(ex.batch.req_pool_indices[row]) == item.req_index
+    ...         assert int(ex.batch.extend_seq_lens[row]) == len(item.token_ids)
+    >>> test_items_sit_at_their_positions()
     """
 
     state: ServingState
@@ -951,9 +957,16 @@ class ForwardBatchExample(NamedTuple):
     and backend it uses (its token allocator has the new slots taken) and its requests as
     ``BatchRequest`` s.
 
-    >>> ex = ForwardBatchExample(None, None, ())
-    >>> ex.requests
-    ()
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=3, deadline=None)
+    ... @given(forward_batches(KimiLinearConfig.tiny(), max_running_requests=2,
+    ...                        max_context_len=16, num_tokens=(8,)))
+    ... def test_requests_are_recorded(ex):
+    ...     table = np.asarray(ex.batch.req_to_token_pool.req_to_token)
+    ...     for r in ex.requests:
+    ...         new = slice(r.prefix_len, r.prefix_len + len(r.token_ids))
+    ...         assert table[r.req_index, new].tolist() == list(r.slots)
+    >>> test_requests_are_recorded()
     """
 
     batch: ForwardBatch
@@ -1230,10 +1243,14 @@ class KDAInputs(NamedTuple):
     [B, T, H]``, ``initial_state [N, H, Dk, Dv]`` (float32; ``N = B``, or the number of packed
     sequences) and ``cu_seqlens [N + 1]`` (``None`` unless packed).
 
-    >>> x = KDAInputs(*(jnp.zeros((1, 2, 1, 4)),) * 4, jnp.zeros((1, 2, 1)),
-    ...               jnp.zeros((1, 1, 4, 4)), None)
-    >>> x.q.shape, x.cu_seqlens
-    ((1, 2, 1, 4), None)
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(kda_inputs(num_tokens=(16,), num_seqs=2))
+    ... def test_fields(x):
+    ...     assert np.allclose(np.linalg.norm(x.q, axis=-1), 1, atol=1e-3)
+    ...     assert (x.g <= 0).all() and x.initial_state.shape[0] == 2
+    ...     assert int(x.cu_seqlens[0]) == 0 and int(x.cu_seqlens[-1]) == 16
+    >>> test_fields()
     """
 
     q: Float[Array, "B T H Dk"]

@@ -9,8 +9,6 @@ import re
 
 import pytest
 
-from tests.conftest import HAVE_MLX
-
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -23,8 +21,6 @@ GETTING_STARTED = [b for b in _blocks("getting-started.md") if "path/to" not in 
 
 
 def _run(page, index, code) -> dict:
-    if "mlxcache" in code and not HAVE_MLX:
-        pytest.skip("mlx not installed")
     namespace: dict = {"__name__": f"docs_example_{index}"}
     exec(compile(code, f"{DOCS / page}:block{index}", "exec"), namespace)
     return namespace

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API
+from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API, mlxcache_params
 
 HYBRIDATTN_MODULES = ["hybridattn", "hybridattn._pytree", *HYBRIDATTN_API]
 
@@ -23,7 +23,6 @@ def test_doctests(name):
     _run(name)
 
 
-@pytest.mark.mlx
-@pytest.mark.parametrize("name", ["mlxcache", *MLXCACHE_API])
+@pytest.mark.parametrize("name", mlxcache_params(["mlxcache", *MLXCACHE_API]))
 def test_mlxcache_doctests(name):
     _run(name)
