@@ -135,13 +135,17 @@ def _ints(name: str, values, minimum: int = 1) -> tuple[int, ...]:
 
 
 def _int(name: str, value, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    pools._check_int(name, value, minimum)
     return value
 
 
 def _host(x) -> np.ndarray:
     return np.asarray(x)
+
+
+def _free_stack(allocator: SlotAllocator) -> list[int]:
+    """The allocator's free slots, bottom of the stack first (the next to be handed out is last)."""
+    return _host(allocator.free_slots)[: int(allocator.num_free)].tolist()
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +304,7 @@ class RefSlotAllocator:
     def from_allocator(cls, allocator: SlotAllocator) -> RefSlotAllocator:
         """The model of a real allocator's current state (its free stack is checked first)."""
         ref = cls(allocator.num_slots)
-        stack = _host(allocator.free_slots)[: int(allocator.num_free)].tolist()
+        stack = _free_stack(allocator)
         ref.free, ref.used = set(stack), set(range(1, allocator.num_slots)) - set(stack)
         ref.check(allocator)
         return ref
@@ -362,7 +366,7 @@ class RefSlotAllocator:
         """Assert that ``allocator`` holds exactly the model's free slots, each once."""
         if allocator.num_slots != self.num_slots:
             _fail(f"allocator has {allocator.num_slots} slots, the model {self.num_slots}")
-        stack = _host(allocator.free_slots)[: int(allocator.num_free)].tolist()
+        stack = _free_stack(allocator)
         if len(stack) != len(set(stack)):
             _fail(f"a slot is free twice: free stack {stack}")
         if set(stack) != self.free:
@@ -405,7 +409,7 @@ class RefReqToTokenPool:
         hybrid = isinstance(pool, HybridReqToTokenPool)
         ref = cls(pool.max_running_requests, pool.max_context_len,
                   pool.num_state_slots if hybrid else None, hybrid=hybrid)
-        free = set(_host(pool.allocator.free_slots)[: int(pool.allocator.num_free)].tolist())
+        free = set(_free_stack(pool.allocator))
         states = _host(pool.req_to_state) if hybrid else None
         table = _host(pool.req_to_token)
         for row in sorted(set(range(1, pool.max_running_requests + 1)) - free):
@@ -534,7 +538,7 @@ class RefReqToTokenPool:
 
 
 def _check_free(allocator: SlotAllocator, free: set[int], what: str) -> None:
-    stack = _host(allocator.free_slots)[: int(allocator.num_free)].tolist()
+    stack = _free_stack(allocator)
     if len(stack) != len(set(stack)) or set(stack) != free:
         _fail(f"free {what} {sorted(stack)} (stack {stack}), expected {sorted(free)}")
 
