@@ -334,18 +334,20 @@ class RefSlotAllocator:
             _fail(f"alloc({count}) with {len(self.free)} free: ok={bool(ok)}, expected "
                   f"{expect}")
         if expect:
-            got = slots[:count].tolist()
-            if len(set(got)) != count or not set(got) <= self.free:
-                _fail(f"alloc({count}) returned {got}: not {count} distinct free slots "
-                      f"(free: {sorted(self.free)})")
+            self._take(slots[:count].tolist(), f"alloc({count})")
             if slots[count:].any():
                 _fail(f"alloc({count}) returned {slots.tolist()}: nonzero past count")
-            self.free -= set(got)
-            self.used |= set(got)
         elif slots.any():
             _fail(f"a failed alloc({count}) returned slots {slots.tolist()}, expected zeros")
         self.check(allocator)
         return allocator
+
+    def _take(self, got: list[int], what: str) -> None:
+        """Record ``got`` as handed out by ``what``: they must be distinct free slots."""
+        if len(set(got)) != len(got) or not set(got) <= self.free:
+            _fail(f"{what} returned {got}: not distinct free slots (free: {sorted(self.free)})")
+        self.free -= set(got)
+        self.used |= set(got)
 
     def free_slots(self, slots: Int[ArrayLike, " M"] | Sequence[int],
                    mask: Bool[ArrayLike, " M"] | None = None) -> None:
@@ -612,10 +614,7 @@ class RefServingPools:
                     new_slots += got
                     live_states.add(self.requests.rows[r])
                     self.requests.table[r][s - e: s] = got
-            if len(set(new_slots)) != len(new_slots) or not set(new_slots) <= self.tokens.free:
-                _fail(f"the step's new tokens got slots {new_slots}: not distinct free slots")
-            self.tokens.free -= set(new_slots)
-            self.tokens.used |= set(new_slots)
+            self.tokens._take(new_slots, "the step's new-token allocation")
         self._check_untouched(state, {0, *new_slots}, {0, *live_states})
         self.check(state)
         return state
@@ -635,10 +634,14 @@ class RefServingPools:
         self.requests.free_reqs(np.asarray(done, np.int64))
 
     def check(self, state: ServingState) -> None:
-        """Assert that ``state``'s allocators and tables hold exactly the model, and take a copy
-        of its pool contents for the next ``step``."""
+        """Assert that ``state``'s allocators and tables hold exactly the model; its pool
+        contents become the reference the next ``step`` is compared with."""
         self.tokens.check(state.token_allocator)
         self.requests.check(state.req_to_token_pool)
+        self._snapshot(state)
+
+    def _snapshot(self, state: ServingState) -> None:
+        """Copy the pool contents, which the next ``step`` may only change where it writes."""
         self._contents = tuple(
             tuple(_host(x) for x in xs) for xs in (
                 state.token_to_kv_pool.c_kv, state.token_to_kv_pool.k_pe,
