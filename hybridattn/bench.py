@@ -72,11 +72,14 @@ def chunked_flops(T: int, H: int, Dk: int, Dv: int, C: int) -> float:
     """Floating-point operations of :func:`hybridattn.ops.kda_chunked`'s matmuls.
 
     Per chunk and head: the hierarchical ``A_kk``/``A_qk`` blocks (``2 C^2 Dk``), the block
-    inverse of ``I + L`` (``2/3 C^3``), ``[W, U] = T_inv [.]`` and ``A_qk [W, U]``
-    (``4 C^2 (Dk + Dv)``), and the state pass ``W S``, ``Kt^T V'``, ``Qh S`` (``6 C Dk Dv``).
+    inverse of ``I + L`` (``2/3 C^3``), ``[W, U] = T_inv [.]`` (``2 C^2 (Dk + Dv)``), the
+    intra-chunk output ``A_qk V'`` (``2 C^2 Dv``), and the state pass ``W S``, ``Qs S``,
+    ``Kt^T V'`` (``6 C Dk Dv``). Triangular operands are counted as the dense products they
+    run as.
     """
     n_chunks = math.ceil(T / C) * H
-    per_chunk = 2 * C * C * Dk + 2 / 3 * C**3 + 4 * C * C * (Dk + Dv) + 6 * C * Dk * Dv
+    per_chunk = (2 * C * C * Dk + 2 / 3 * C**3 + 2 * C * C * (Dk + Dv) + 2 * C * C * Dv
+                 + 6 * C * Dk * Dv)
     return n_chunks * per_chunk
 
 
