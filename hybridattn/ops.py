@@ -59,8 +59,8 @@ from jaxtyping import Array, Float, Int
 
 # Tokens x heads handled together by one step of the chunk scan: enough to batch the small
 # matmuls, few enough that each [chunks, C, D] intermediate of a step (256 KiB at D = 128)
-# stays in a core's L2 cache. Measured on a 2-core CPU at D = 128: 512 beats 256 and 1024
-# for chunk sizes 32, 64 and 128.
+# stays in a core's L2 cache. Measured on a 2-core CPU at D = 128 (paired rounds): 512 beat
+# 256 at chunk sizes 32, 64 and 128, and beat 1024 at 32 and 128 (a tie at 64).
 _GROUP_TOKEN_HEADS = 512
 
 __all__ = [
