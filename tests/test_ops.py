@@ -442,3 +442,41 @@ def test_kernels_compose_with_shard_map_over_heads(packed):
             o_ref, s_ref = fn(q, k, v, g, beta, initial_state=s0 if with_state else None)
             assert_close(o, o_ref, atol=1e-5), (name, with_state)
             assert_close(s, s_ref, atol=1e-5), (name, with_state)
+
+
+# ------------------------------------------------------------------------------------------
+# the benchmark's FLOP count
+# ------------------------------------------------------------------------------------------
+
+
+def _dot_flops(jaxpr) -> int:
+    """Multiply-add FLOPs (2 per multiply-add) of every ``dot_general`` in a jaxpr, through
+    nested jaxprs, with a scan's body counted ``length`` times."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
+                np.prod([lhs[d] for d in contract]))
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)  # a ClosedJaxpr or a Jaxpr
+            if hasattr(sub, "eqns"):
+                total += times * _dot_flops(sub)
+    return total
+
+
+@pytest.mark.parametrize(("T", "C"), [(256, 64), (128, 32), (512, 128)])
+def test_bench_flop_count_matches_the_kernels_matmuls(T, C):
+    """``bench kda`` reports a share of the matmul peak from ``chunked_flops``: it must count
+    the matmuls that ``kda_chunked`` actually runs (read from its program, scan trip counts
+    included). The few s x s products of the smallest blocks run as multiply-reduce and the
+    formula's closed forms round the block sums, so the two agree to within 1%."""
+    from hybridattn.bench import chunked_flops
+
+    Hb, D = 4, 128
+    q, k, v, g, beta, _ = make_inputs(0, 1, T, H=Hb, Dk=D, Dv=D)
+    jaxpr = jax.make_jaxpr(functools.partial(ops.kda_chunked, chunk_size=C))(q, k, v, g, beta)
+    counted = _dot_flops(jaxpr.jaxpr)
+    assert counted == pytest.approx(chunked_flops(T, Hb, D, D, C), rel=0.01)
