@@ -32,8 +32,10 @@ block sizes ``s = 1, 2, 4, ..., C/2``: each ``2s`` block gains its lower-left ``
 quadrant (rows in the second half, columns in the first), whose factors go through the
 reference point ``r`` between the halves, ``exp(G_i - G_r) * exp(G_r - G_j)``. Both exponents
 are ``<= 0``, so each factor is in ``[0, 1]`` and the product only underflows where the true
-value does; the quadrant itself is one batched matmul. ``G`` is kept local to the current
-block, so the exponent differences stay precise even after huge decays.
+value does; the quadrant itself is one batched matmul. The factors are never exponentials of
+cumulative sums: they are products of the per-token decays ``exp(g_t)`` (each in ``[0, 1]``),
+kept per block and extended across the other half at every merge, so they stay precise (a
+few ulp) even after huge decays, and ``exp`` runs once per input element.
 
 The delta rule inside a chunk is the WY/UT transform: ``(I + L) [W, U] = diag(beta) [exp(G) K,
 V]`` with ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``); ``(I + L)^-1`` is
@@ -280,32 +282,36 @@ def _intra_chunk(q, k, v, g, beta, scale):
     """Per-chunk quantities for ``N`` independent chunks (all batch axes flattened).
 
     Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]`` with ``C`` a power
-    of two. Returns ``(WQ, A_qk, U, KtT, decay)``: ``WQ = [W; Qs] [N, 2C, Dk]``, ``A_qk [N, C,
-    C]`` (scaled), ``U [N, C, Dv]`` as in the module docstring, ``KtT [N, Dk, C]`` and ``decay =
+    of two. Returns ``(WQ, A_qk, U, Kt, decay)``: ``WQ = [W; Qs] [N, 2C, Dk]``, ``A_qk [N, C,
+    C]`` (scaled), ``U [N, C, Dv]`` as in the module docstring, ``Kt [N, C, Dk]`` and ``decay =
     exp(G_last) [N, Dk]``. For a chunk whose start state is ``S``, with ``V' = U - W @ S``:
-    ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[:, None] * S + KtT @ V'``.
+    ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[:, None] * S + Kt^T @ V'``.
 
     ``A_qk`` and the inverse of ``I + L`` (``L = diag(beta) A_kk``, whose blocks are only
     needed on the way) are built bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block
     size ``s`` every ``2s`` block gains its lower-left ``s x s`` quadrant, whose decay factors
     go through the reference point between the two halves, so every exponent is ``<= 0``.
+    Those factors are products of ``exp(g)``: ``E`` holds the decay from the start of each
+    block through token ``i``, ``F`` the decay after token ``j`` to the end of its block.
     """
     N, C, Dk = k.shape
     A_qk = jnp.sum(q * k, axis=-1)[:, :, None, None]  # exp(G_i - G_i) = 1 on the diagonal
     T_inv = jnp.ones((N, C, 1, 1), jnp.float32)  # (I + L)^-1, block by block
-    G = g  # inclusive cumulative log-decay within blocks of the current size
+    E = jnp.exp(g)  # decay from the start of the token's block through the token (inclusive)
+    F = None  # decay after the token through the end of its block (all ones while s == 1)
     s = 1
     while s < C:
         nb = C // (2 * s)
-        G2 = G.reshape(N, nb, 2, s, Dk)
-        first, second = G2[:, :, 0], G2[:, :, 1]
-        total = first[:, :, -1:]  # log-decay across the first half (the reference point)
-        left = jnp.exp(second)  # exp(G_i - G_r) for rows i of the second half
-        right = jnp.exp(total - first)  # exp(G_r - G_j) for columns j of the first half
+        E2 = E.reshape(N, nb, 2, s, Dk)
+        left = E2[:, :, 1]  # exp(G_i - G_r) for rows i of the second half
         k2 = k.reshape(N, nb, 2, s, Dk)
         q2 = q.reshape(N, nb, 2, s, Dk)
         lhs = jnp.concatenate([k2[:, :, 1] * left, q2[:, :, 1] * left], axis=2)
-        rhs = jnp.swapaxes(k2[:, :, 0] * right, -1, -2)
+        rhs = k2[:, :, 0]
+        if F is not None:
+            F2 = F.reshape(N, nb, 2, s, Dk)
+            rhs = rhs * F2[:, :, 0]  # exp(G_r - G_j) for columns j of the first half
+        rhs = jnp.swapaxes(rhs, -1, -2)
         off = jnp.matmul(lhs, rhs)  # [N, nb, 2s, s]
         off_kk, off_qk = off[:, :, :s], off[:, :, s:]
         L_off = beta.reshape(N, nb, 2, s)[:, :, 1, :, None] * off_kk
@@ -317,22 +323,28 @@ def _intra_chunk(q, k, v, g, beta, scale):
             T_off = -jnp.matmul(T2[:, :, 1], jnp.matmul(L_off, T2[:, :, 0]))
         A_qk = _merge_blocks(A_qk, off_qk)
         T_inv = _merge_blocks(T_inv, T_off)
-        G = jnp.concatenate([first, second + total], axis=2).reshape(N, C, Dk)
+        # Merge the halves: the second half's rows also decay through the first half, the
+        # first half's columns also through the second.
+        first_total, second_total = E2[:, :, 0, -1:], left[:, :, -1:]
+        E = jnp.concatenate([E2[:, :, 0], left * first_total], axis=2).reshape(N, C, Dk)
+        F_first = (jnp.broadcast_to(second_total, left.shape) if F is None
+                   else F2[:, :, 0] * second_total)
+        F_second = jnp.ones_like(left) if F is None else F2[:, :, 1]
+        F = jnp.concatenate([F_first, F_second], axis=2).reshape(N, C, Dk)
         s *= 2
     A_qk = scale * A_qk.reshape(N, C, C)
     T_inv = T_inv.reshape(N, C, C)
 
     # (I + L) [W, U] = diag(beta) [exp(G) K, V]; beta scales the right-hand sides (rows of
     # [N, C, D] operands that are being formed anyway) rather than T_inv's columns.
-    eG = jnp.exp(G)
+    eG = E  # exp(G), G the chunk's inclusive cumulative log-decay
     b = beta[:, :, None]
     W = jnp.matmul(T_inv, (b * eG) * k)
     U = jnp.matmul(T_inv, b * v)
-    G_last = G[:, -1:]
-    KtT = jnp.swapaxes(k * jnp.exp(G_last - G), 1, 2)  # exponents <= 0
+    Kt = k if F is None else k * F  # exp(G_last - G) * K (F is None only when C == 1)
     # W and Qs both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
     WQ = jnp.concatenate([W, scale * eG * q], axis=1)
-    return WQ, A_qk, U, KtT, jnp.exp(G_last[:, 0])
+    return WQ, A_qk, U, Kt, E[:, -1]
 
 
 def _merge_blocks(diag, off):
@@ -403,9 +415,9 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
         i, group_resets = xs
         # Slice the group out of the inputs in place (no transposed copy of the inputs).
         group = (jax.lax.dynamic_slice_in_dim(x, i * G * C, G * C, axis=1) for x in inputs)
-        WQ, A_qk, U, KtT, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
+        WQ, A_qk, U, Kt, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
         split = lambda x: x.reshape(B, G, H, *x.shape[1:])
-        WQ, A_qk, U, KtT, decay = map(split, (WQ, A_qk, U, KtT, decay))
+        WQ, A_qk, U, Kt, decay = map(split, (WQ, A_qk, U, Kt, decay))
         QS, V, S_out = [], [], []
         for j in range(G):
             if group_resets is not None:
@@ -414,7 +426,8 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
             WS_QS = jnp.matmul(WQ[:, j], S)  # [B, H, 2C, Dv]
             QS.append(WS_QS[..., C:, :])
             V.append(U[:, j] - WS_QS[..., :C, :])  # V' = U - W S
-            S = decay[:, j, ..., None] * S + jnp.matmul(KtT[:, j], V[-1])
+            # Kt^T V' contracts the chunk's tokens in place (no transposed copy of Kt).
+            S = decay[:, j, ..., None] * S + jnp.einsum("bhcd,bhce->bhde", Kt[:, j], V[-1])
             if group_resets is not None:  # index n_seqs (out of range) drops the write
                 finals = finals.at[jnp.where(end >= 0, end, n_seqs)].set(S[0], mode="drop")
             S_out.append(S)
