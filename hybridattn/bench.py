@@ -72,14 +72,13 @@ def chunked_flops(T: int, H: int, Dk: int, Dv: int, C: int) -> float:
     """Floating-point operations of :func:`hybridattn.ops.kda_chunked`'s matmuls.
 
     Per chunk and head: the hierarchical ``A_kk``/``A_qk`` blocks (``2 C^2 Dk``), the block
-    inverse of ``I + L`` (``2/3 C^3``), ``[W, U] = T_inv [.]`` (``2 C^2 (Dk + Dv)``), the
-    intra-chunk output ``A_qk V'`` (``2 C^2 Dv``), and the state pass ``W S``, ``Qs S``,
-    ``Kt^T V'`` (``6 C Dk Dv``). Triangular operands are counted as the dense products they
-    run as.
+    inverse of ``I + L`` (``2/3 C^3``), ``U = Tb V`` (``2 C^2 Dv``), the intra-chunk output
+    ``A_qk V'`` (``2 C^2 Dv``), and the state pass: ``Ke S`` and ``Qs S`` (``4 C Dk Dv``),
+    ``Tb (Ke S)`` (``2 C^2 Dv``) and ``Kt^T V'`` (``2 C Dk Dv``). Triangular operands are
+    counted as the dense products they run as.
     """
     n_chunks = math.ceil(T / C) * H
-    per_chunk = (2 * C * C * Dk + 2 / 3 * C**3 + 2 * C * C * (Dk + Dv) + 2 * C * C * Dv
-                 + 6 * C * Dk * Dv)
+    per_chunk = (2 * C * C * Dk + 2 / 3 * C**3 + 3 * 2 * C * C * Dv + 6 * C * Dk * Dv)
     return n_chunks * per_chunk
 
 

@@ -37,18 +37,21 @@ cumulative sums: they are products of the per-token decays ``exp(g_t)`` (each in
 kept per block and extended across the other half at every merge, so they stay precise (a
 few ulp) even after huge decays, and ``exp`` runs once per input element.
 
-The delta rule inside a chunk is the WY/UT transform: ``(I + L) [W, U] = diag(beta) [exp(G) K,
-V]`` with ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``); ``(I + L)^-1`` is
-built by the same block recursion (``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1,
-D^-1]]``). Everything that depends on the chunk's start state ``S`` is linear in it::
+The delta rule inside a chunk is the WY/UT transform: ``(I + L) [W, U] = diag(beta) [Ke, V]``
+with ``Ke = exp(G) * K`` and ``L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)`` (``j < i``), so
+``W = Tb Ke`` and ``U = Tb V`` with ``Tb = (I + L)^-1 diag(beta)``; ``(I + L)^-1`` is built by
+the same block recursion (``[[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]``).
+Everything that depends on the chunk's start state ``S`` is linear in it::
 
-    V'      = U - W S                                   the chunk's corrected values
+    V'      = U - Tb (Ke S)                             the chunk's corrected values
     S_next  = exp(G_last) * S + Kt^T V',                Kt = exp(G_last - G) * K
     O_chunk = Qs S + A_qk V',                           Qs = scale exp(G) * Q
 
-so ``W, U, Qs, Kt, A_qk`` are computed for many chunks at once, and the only sequential work
-is ``[W; Qs] @ S`` and ``Kt^T @ V'`` per chunk, in one ``lax.scan`` over groups of chunks
-sized to stay in cache; ``A_qk @ V'`` then runs for the whole group at once.
+so ``Tb, U, Ke, Qs, Kt, A_qk`` are computed for many chunks at once, and the only sequential
+work is ``[Ke; Qs] @ S``, ``Tb @ (Ke S)`` and ``Kt^T @ V'`` per chunk, in one ``lax.scan`` over
+groups of chunks sized to stay in cache; ``A_qk @ V'`` then runs for the whole group at once.
+(``W = Tb Ke`` itself is never formed: ``Tb (Ke S)`` costs the same matmul FLOPs when ``Dk =
+Dv``, and it spares a ``[C, C] @ [C, Dk]`` product and a copy per chunk outside the state pass.)
 """
 
 from __future__ import annotations
@@ -282,10 +285,11 @@ def _intra_chunk(q, k, v, g, beta, scale):
     """Per-chunk quantities for ``N`` independent chunks (all batch axes flattened).
 
     Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]`` with ``C`` a power
-    of two. Returns ``(WQ, A_qk, U, Kt, decay)``: ``WQ = [W; Qs] [N, 2C, Dk]``, ``A_qk [N, C,
-    C]`` (scaled), ``U [N, C, Dv]`` as in the module docstring, ``Kt [N, C, Dk]`` and ``decay =
-    exp(G_last) [N, Dk]``. For a chunk whose start state is ``S``, with ``V' = U - W @ S``:
-    ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[:, None] * S + Kt^T @ V'``.
+    of two. Returns ``(KQ, Tb, A_qk, U, Kt, decay)``: ``KQ = [Ke; Qs] [N, 2C, Dk]``, ``Tb [N,
+    C, C]``, ``A_qk [N, C, C]`` (scaled), ``U [N, C, Dv]`` as in the module docstring, ``Kt [N,
+    C, Dk]`` and ``decay = exp(G_last) [N, Dk]``. For a chunk whose start state is ``S``, with
+    ``V' = U - Tb @ (Ke @ S)``: ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[:, None] * S +
+    Kt^T @ V'``.
 
     ``A_qk`` and the inverse of ``I + L`` (``L = diag(beta) A_kk``, whose blocks are only
     needed on the way) are built bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block
@@ -335,16 +339,14 @@ def _intra_chunk(q, k, v, g, beta, scale):
     A_qk = scale * A_qk.reshape(N, C, C)
     T_inv = T_inv.reshape(N, C, C)
 
-    # (I + L) [W, U] = diag(beta) [exp(G) K, V]; beta scales the right-hand sides (rows of
-    # [N, C, D] operands that are being formed anyway) rather than T_inv's columns.
+    # (I + L) [W, U] = diag(beta) [Ke, V]: Tb = (I + L)^-1 diag(beta).
+    Tb = T_inv * beta[:, None, :]
+    U = jnp.matmul(Tb, v)
     eG = E  # exp(G), G the chunk's inclusive cumulative log-decay
-    b = beta[:, :, None]
-    W = jnp.matmul(T_inv, (b * eG) * k)
-    U = jnp.matmul(T_inv, b * v)
     Kt = k if F is None else k * F  # exp(G_last - G) * K (F is None only when C == 1)
-    # W and Qs both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
-    WQ = jnp.concatenate([W, scale * eG * q], axis=1)
-    return WQ, A_qk, U, Kt, E[:, -1]
+    # Ke and Qs both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
+    KQ = jnp.concatenate([eG * k, scale * eG * q], axis=1)
+    return KQ, Tb, A_qk, U, Kt, E[:, -1]
 
 
 def _merge_blocks(diag, off):
@@ -415,17 +417,16 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
         i, group_resets = xs
         # Slice the group out of the inputs in place (no transposed copy of the inputs).
         group = (jax.lax.dynamic_slice_in_dim(x, i * G * C, G * C, axis=1) for x in inputs)
-        WQ, A_qk, U, Kt, decay = _intra_chunk(*(to_chunks(x) for x in group), scale)
-        split = lambda x: x.reshape(B, G, H, *x.shape[1:])
-        WQ, A_qk, U, Kt, decay = map(split, (WQ, A_qk, U, Kt, decay))
+        intra = _intra_chunk(*(to_chunks(x) for x in group), scale)
+        KQ, Tb, A_qk, U, Kt, decay = (x.reshape(B, G, H, *x.shape[1:]) for x in intra)
         QS, V, S_out = [], [], []
         for j in range(G):
             if group_resets is not None:
                 start, end = group_resets[j, 0], group_resets[j, 1]
                 S = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], S)
-            WS_QS = jnp.matmul(WQ[:, j], S)  # [B, H, 2C, Dv]
-            QS.append(WS_QS[..., C:, :])
-            V.append(U[:, j] - WS_QS[..., :C, :])  # V' = U - W S
+            KS_QS = jnp.matmul(KQ[:, j], S)  # [B, H, 2C, Dv]
+            QS.append(KS_QS[..., C:, :])
+            V.append(U[:, j] - jnp.matmul(Tb[:, j], KS_QS[..., :C, :]))  # V' = U - Tb Ke S
             # Kt^T V' contracts the chunk's tokens in place (no transposed copy of Kt).
             S = decay[:, j, ..., None] * S + jnp.einsum("bhcd,bhce->bhde", Kt[:, j], V[-1])
             if group_resets is not None:  # index n_seqs (out of range) drops the write
