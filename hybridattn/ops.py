@@ -51,7 +51,7 @@ so ``Tb, U, Ke, Qs, Kt, A_qk`` are computed for many chunks at once, and the onl
 work is ``[Ke; Qs] @ S``, ``Tb @ (Ke S)`` and ``Kt^T @ V'`` per chunk, in one ``lax.scan`` over
 groups of chunks sized to stay in cache; ``A_qk @ V'`` then runs for the whole group at once.
 (``W = Tb Ke`` itself is never formed: ``Tb (Ke S)`` costs the same matmul FLOPs when ``Dk =
-Dv``, and it spares a ``[C, C] @ [C, Dk]`` product and a copy per chunk outside the state pass.)
+Dv``, and ``[Ke; Qs]`` is built elementwise, where ``[W; Qs]`` needed a product and a copy.)
 """
 
 from __future__ import annotations
