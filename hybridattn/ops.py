@@ -302,7 +302,7 @@ def _intra_chunk(q, k, v, g, beta, scale):
     A_qk = jnp.sum(q * k, axis=-1)[:, :, None, None]  # exp(G_i - G_i) = 1 on the diagonal
     T_inv = jnp.ones((N, C, 1, 1), jnp.float32)  # (I + L)^-1, block by block
     E = jnp.exp(g)  # decay from the start of the token's block through the token (inclusive)
-    F = None  # decay after the token through the end of its block (all ones while s == 1)
+    F = jnp.ones_like(E)  # decay after the token through the end of its block
     s = 1
     while s < C:
         nb = C // (2 * s)
@@ -311,11 +311,8 @@ def _intra_chunk(q, k, v, g, beta, scale):
         k2 = k.reshape(N, nb, 2, s, Dk)
         q2 = q.reshape(N, nb, 2, s, Dk)
         lhs = jnp.concatenate([k2[:, :, 1] * left, q2[:, :, 1] * left], axis=2)
-        rhs = k2[:, :, 0]
-        if F is not None:
-            F2 = F.reshape(N, nb, 2, s, Dk)
-            rhs = rhs * F2[:, :, 0]  # exp(G_r - G_j) for columns j of the first half
-        rhs = jnp.swapaxes(rhs, -1, -2)
+        F2 = F.reshape(N, nb, 2, s, Dk)
+        rhs = jnp.swapaxes(k2[:, :, 0] * F2[:, :, 0], -1, -2)  # exp(G_r - G_j) for columns j
         off = jnp.matmul(lhs, rhs)  # [N, nb, 2s, s]
         off_kk, off_qk = off[:, :, :s], off[:, :, s:]
         L_off = beta.reshape(N, nb, 2, s)[:, :, 1, :, None] * off_kk
@@ -331,10 +328,7 @@ def _intra_chunk(q, k, v, g, beta, scale):
         # first half's columns also through the second.
         first_total, second_total = E2[:, :, 0, -1:], left[:, :, -1:]
         E = jnp.concatenate([E2[:, :, 0], left * first_total], axis=2).reshape(N, C, Dk)
-        F_first = (jnp.broadcast_to(second_total, left.shape) if F is None
-                   else F2[:, :, 0] * second_total)
-        F_second = jnp.ones_like(left) if F is None else F2[:, :, 1]
-        F = jnp.concatenate([F_first, F_second], axis=2).reshape(N, C, Dk)
+        F = jnp.concatenate([F2[:, :, 0] * second_total, F2[:, :, 1]], axis=2).reshape(N, C, Dk)
         s *= 2
     A_qk = scale * A_qk.reshape(N, C, C)
     T_inv = T_inv.reshape(N, C, C)
@@ -342,10 +336,10 @@ def _intra_chunk(q, k, v, g, beta, scale):
     # (I + L) [W, U] = diag(beta) [Ke, V]: Tb = (I + L)^-1 diag(beta).
     Tb = T_inv * beta[:, None, :]
     U = jnp.matmul(Tb, v)
-    eG = E  # exp(G), G the chunk's inclusive cumulative log-decay
-    Kt = k if F is None else k * F  # exp(G_last - G) * K (F is None only when C == 1)
+    Kt = k * F  # exp(G_last - G) * K
     # Ke and Qs both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
-    KQ = jnp.concatenate([eG * k, scale * eG * q], axis=1)
+    # E is now exp(G), G the chunk's inclusive cumulative log-decay.
+    KQ = jnp.concatenate([E * k, scale * E * q], axis=1)
     return KQ, Tb, A_qk, U, Kt, E[:, -1]
 
 
