@@ -47,9 +47,11 @@ Everything that depends on the chunk's start state ``S`` is linear in it::
     S_next  = exp(G_last) * S + Kt^T V',                Kt = exp(G_last - G) * K
     O_chunk = Qs S + A_qk V',                           Qs = scale exp(G) * Q
 
-so ``Tb, U, Ke, Qs, Kt, A_qk`` are computed for many chunks at once, and the only sequential
-work is ``[Ke; Qs] @ S``, ``Tb @ (Ke S)`` and ``Kt^T @ V'`` per chunk, in one ``lax.scan`` over
-groups of chunks sized to stay in cache; ``A_qk @ V'`` then runs for the whole group at once.
+so the decays, ``(I + L)^-1``, ``U`` and ``A_qk`` are computed for many chunks at once, and the
+only sequential work is ``[Ke; Qs] @ S``, ``Tb @ (Ke S)`` and ``Kt^T @ V'`` per chunk, in one
+``lax.scan`` over groups of chunks sized to stay in cache; ``A_qk @ V'`` then runs for the
+whole group at once. Each chunk's ``[Ke; Qs]``, ``Tb`` and ``Kt`` are built elementwise right
+where its state pass needs them (a slice of a group-wide array would be one more copy).
 (``W = Tb Ke`` itself is never formed: ``Tb (Ke S)`` costs the same matmul FLOPs when ``Dk =
 Dv``, and ``[Ke; Qs]`` is built elementwise, where ``[W; Qs]`` needed a product and a copy.)
 """
@@ -285,11 +287,11 @@ def _intra_chunk(q, k, v, g, beta, scale):
     """Per-chunk quantities for ``N`` independent chunks (all batch axes flattened).
 
     Inputs are f32 ``q, k, g [N, C, Dk]``, ``v [N, C, Dv]``, ``beta [N, C]`` with ``C`` a power
-    of two. Returns ``(KQ, Tb, A_qk, U, Kt, decay)``: ``KQ = [Ke; Qs] [N, 2C, Dk]``, ``Tb [N,
-    C, C]``, ``A_qk [N, C, C]`` (scaled), ``U [N, C, Dv]`` as in the module docstring, ``Kt [N,
-    C, Dk]`` and ``decay = exp(G_last) [N, Dk]``. For a chunk whose start state is ``S``, with
-    ``V' = U - Tb @ (Ke @ S)``: ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[:, None] * S +
-    Kt^T @ V'``.
+    of two. Returns ``(E, F, T_inv, A_qk, U)``: the decays ``E = exp(G)`` and ``F =
+    exp(G_last - G)`` ``[N, C, Dk]`` (``G`` the chunk's inclusive cumulative log-decay),
+    ``T_inv = (I + L)^-1 [N, C, C]``, ``A_qk [N, C, C]`` (scaled) and ``U = Tb @ v [N, C, Dv]``
+    as in the module docstring. :func:`_state_operands` turns a chunk's ``E, F, T_inv`` into
+    the operands of its state pass.
 
     ``A_qk`` and the inverse of ``I + L`` (``L = diag(beta) A_kk``, whose blocks are only
     needed on the way) are built bottom-up over block sizes ``1, 2, 4, ..., C/2``: at block
@@ -334,13 +336,22 @@ def _intra_chunk(q, k, v, g, beta, scale):
     T_inv = T_inv.reshape(N, C, C)
 
     # (I + L) [W, U] = diag(beta) [Ke, V]: Tb = (I + L)^-1 diag(beta).
-    Tb = T_inv * beta[:, None, :]
-    U = jnp.matmul(Tb, v)
-    Kt = k * F  # exp(G_last - G) * K
-    # Ke and Qs both multiply the chunk's start state: one [2C, Dk] operand, one matmul.
-    # E is now exp(G), G the chunk's inclusive cumulative log-decay.
-    KQ = jnp.concatenate([E * k, scale * E * q], axis=1)
-    return KQ, Tb, A_qk, U, Kt, E[:, -1]
+    U = jnp.matmul(T_inv * beta[..., None, :], v)
+    return E, F, T_inv, A_qk, U
+
+
+def _state_operands(q, k, beta, E, F, T_inv, scale):
+    """The operands of one chunk's state pass, for ``[..., C, D]`` slices of the inputs and of
+    :func:`_intra_chunk`'s results: ``KQ = [Ke; Qs] [..., 2C, Dk]`` (both multiply the start
+    state: one operand, one matmul), ``Tb [..., C, C]``, ``Kt = exp(G_last - G) K [..., C,
+    Dk]`` and ``decay = exp(G_last) [..., Dk]``. For a chunk whose start state is ``S``, with
+    ``V' = U - Tb @ (Ke @ S)``: ``o = Qs @ S + A_qk @ V'`` and ``S_next = decay[..., None] * S
+    + Kt^T @ V'``.
+
+    Built per chunk from the group-wide arrays, so each operand is written once, in its final
+    place: slicing a chunk out of a group-wide ``KQ`` or ``Kt`` makes XLA copy the slice."""
+    KQ = jnp.concatenate([E * k, scale * E * q], axis=-2)
+    return KQ, T_inv * beta[..., None, :], k * F, E[..., -1, :]
 
 
 def _merge_blocks(diag, off):
@@ -411,18 +422,23 @@ def _chunked_core(q, k, v, g, beta, scale, C, S0, resets=None, init=None, n_seqs
         i, group_resets = xs
         # Slice the group out of the inputs in place (no transposed copy of the inputs).
         group = (jax.lax.dynamic_slice_in_dim(x, i * G * C, G * C, axis=1) for x in inputs)
-        intra = _intra_chunk(*(to_chunks(x) for x in group), scale)
-        KQ, Tb, A_qk, U, Kt, decay = (x.reshape(B, G, H, *x.shape[1:]) for x in intra)
+        chunks = [to_chunks(x) for x in group]
+        intra = _intra_chunk(*chunks, scale)
+        # [B, G, H, ...]: index j picks chunk j of the group for every row and head.
+        qc, kc, _, _, bc = (x.reshape(B, G, H, *x.shape[1:]) for x in chunks)
+        E, F, T_inv, A_qk, U = (x.reshape(B, G, H, *x.shape[1:]) for x in intra)
         QS, V, S_out = [], [], []
         for j in range(G):
             if group_resets is not None:
                 start, end = group_resets[j, 0], group_resets[j, 1]
                 S = jnp.where(start >= 0, init[jnp.maximum(start, 0)][None], S)
-            KS_QS = jnp.matmul(KQ[:, j], S)  # [B, H, 2C, Dv]
+            KQ, Tb, Kt, decay = _state_operands(
+                qc[:, j], kc[:, j], bc[:, j], E[:, j], F[:, j], T_inv[:, j], scale)
+            KS_QS = jnp.matmul(KQ, S)  # [B, H, 2C, Dv]
             QS.append(KS_QS[..., C:, :])
-            V.append(U[:, j] - jnp.matmul(Tb[:, j], KS_QS[..., :C, :]))  # V' = U - Tb Ke S
+            V.append(U[:, j] - jnp.matmul(Tb, KS_QS[..., :C, :]))  # V' = U - Tb Ke S
             # Kt^T V' contracts the chunk's tokens in place (no transposed copy of Kt).
-            S = decay[:, j, ..., None] * S + jnp.einsum("bhcd,bhce->bhde", Kt[:, j], V[-1])
+            S = decay[..., None] * S + jnp.einsum("bhcd,bhce->bhde", Kt, V[-1])
             if group_resets is not None:  # index n_seqs (out of range) drops the write
                 finals = finals.at[jnp.where(end >= 0, end, n_seqs)].set(S[0], mode="drop")
             S_out.append(S)
