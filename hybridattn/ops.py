@@ -301,7 +301,10 @@ def _intra_chunk(q, k, v, g, beta, scale):
     block through token ``i``, ``F`` the decay after token ``j`` to the end of its block.
     """
     N, C, Dk = k.shape
-    A_qk = jnp.sum(q * k, axis=-1)[:, :, None, None]  # exp(G_i - G_i) = 1 on the diagonal
+    # The diagonal, exp(G_i - G_i) = 1: q_i . k_i as a matrix-vector product, which XLA:CPU
+    # runs in about half the time of jnp.sum(q * k, -1) (a reduction it also fed from
+    # transposed copies of q and k).
+    A_qk = ((q * k) @ jnp.ones((Dk,), jnp.float32))[:, :, None, None]
     T_inv = jnp.ones((N, C, 1, 1), jnp.float32)  # (I + L)^-1, block by block
     E = jnp.exp(g)  # decay from the start of the token's block through the token (inclusive)
     F = jnp.ones_like(E)  # decay after the token through the end of its block
