@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(PY) -m hybridattn.bench serve
 
 lint: $(STAMP)
-	$(PY) -m ruff check hybridattn mlxcache tests
+	$(PY) -m ruff check hybridattn mlxcache servecore tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -33,6 +33,13 @@ MLXCACHE_API = [
     "mlxcache.sampling",
     "mlxcache.testing",
 ]
+SERVECORE_API = [
+    "servecore.sampling",
+    "servecore.errors",
+    "servecore.stats",
+    "servecore.memory",
+    "servecore.validate",
+]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.engine", "mlxcache.sampling"}
 
 
@@ -97,6 +104,12 @@ def test_hybridattn_public_names_documented(module_name):
 
 @pytest.mark.parametrize("module_name", mlxcache_params(MLXCACHE_API))
 def test_mlxcache_public_names_documented(module_name):
+    problems = _problems(module_name)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("module_name", SERVECORE_API)
+def test_servecore_public_names_documented(module_name):
     problems = _problems(module_name)
     assert not problems, "\n".join(problems)
 

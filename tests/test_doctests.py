@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API, mlxcache_params
+from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API, SERVECORE_API, mlxcache_params
 
 HYBRIDATTN_MODULES = ["hybridattn", "hybridattn._pytree", *HYBRIDATTN_API]
 
@@ -25,4 +25,9 @@ def test_doctests(name):
 
 @pytest.mark.parametrize("name", mlxcache_params(["mlxcache", *MLXCACHE_API]))
 def test_mlxcache_doctests(name):
+    _run(name)
+
+
+@pytest.mark.parametrize("name", ["servecore", *SERVECORE_API])
+def test_servecore_doctests(name):
     _run(name)

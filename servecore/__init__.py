@@ -1,0 +1,35 @@
+"""servecore: the framework-free pieces both engines share (plain Python and NumPy only).
+
+``hybridattn`` (JAX) and ``mlxcache`` (MLX) serve different models on different frameworks,
+but many of their concepts are the same, and a user moving between them should meet one
+vocabulary. This package holds those concepts once, and imports neither JAX nor MLX:
+
+* ``servecore.sampling``: ``SamplingParams`` (one field order, one set of range checks,
+  tiny temperatures and top-p values treated as greedy).
+* ``servecore.errors``: ``PoolExhausted(requested, available)``.
+* ``servecore.stats``: ``ServingStats``, the counters and the throughput definitions.
+* ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
+* ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,
+  stop ids, a tokenizer's EOS ids) that name the bad value.
+
+>>> import servecore
+>>> servecore.SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=1)
+>>> str(servecore.PoolExhausted(requested=5, available=2, what="token slots"))
+'token slots exhausted: requested 5, 2 available'
+"""
+
+from servecore.errors import PoolExhausted
+from servecore.memory import available_memory_bytes, memory_budget
+from servecore.sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingParams
+from servecore.stats import ServingStats
+
+__all__ = [
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
+    "PoolExhausted",
+    "SamplingParams",
+    "ServingStats",
+    "available_memory_bytes",
+    "memory_budget",
+]
