@@ -9,7 +9,13 @@ The attention backends then read :func:`get_token_slots` (MLA layers gather thei
 from :class:`MLATokenPool` at those slots, and write new tokens with :func:`set_mla_kv`) and
 :func:`get_linear_recurrent_indices` (KDA layers read and write their conv / SSM states in
 :class:`RecurrentStatePool` at those slots). Freeing a request row does not free its token
-slots: whoever owns them (the scheduler, later a prefix cache) frees them explicitly.
+slots: whoever owns them (the scheduler, or a prefix cache) frees them explicitly.
+
+Slot ownership. Every token slot has exactly one owner: the request row whose table records it
+at a position at or past the row's ``borrowed`` length, or a prefix cache (positions below
+``borrowed`` hold slots the row only borrows from a cache: ``serving.release`` never frees
+them). Allocators keep an ``in_use`` bit per slot, and :func:`free` ignores a slot that is not
+in use or is listed twice, so a double free is impossible: it cannot corrupt the free stack.
 
 The slot-0 sink rule. Slot 0 of every pool (token slots, request rows, state slots) is a
 reserved padding sink: no allocator ever hands it out, padded batch entries use index 0, and
@@ -43,6 +49,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from hybridattn._pytree import pytree_dataclass
+from servecore.errors import PoolExhausted
 
 __all__ = [
     "HybridReqToTokenPool",
@@ -68,10 +75,6 @@ __all__ = [
 ]
 
 
-class PoolExhausted(RuntimeError):
-    """A host-side allocation (``*_or_raise``) asked for more slots than are free."""
-
-
 def _check_int(name: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -88,7 +91,9 @@ class SlotAllocator:
 
     ``free_slots[:num_free]`` are the free ids, the top of the stack at ``num_free - 1``;
     entries past ``num_free`` are stale. The capacity ``N`` is ``free_slots.shape[0]``.
-    Allocating and freeing return a new allocator; the old one is left as it was.
+    ``in_use[s]`` says whether slot ``s`` is handed out (``in_use[0]``, the sink, is always
+    False); :func:`free` reads it to ignore double frees. Allocating and freeing return a new
+    allocator; the old one is left as it was.
 
     >>> a = SlotAllocator.create(5)  # slots 1..4 can be handed out
     >>> a.free_slots.shape, a.capacity, a.num_slots, a.num_used
@@ -100,6 +105,7 @@ class SlotAllocator:
 
     free_slots: Int[Array, " N"]
     num_free: Int[Array, ""]
+    in_use: Bool[Array, " S"]
 
     @classmethod
     def create(cls, num_slots: int) -> SlotAllocator:
@@ -110,6 +116,7 @@ class SlotAllocator:
         return cls(
             free_slots=jnp.arange(n, 0, -1, dtype=jnp.int32),  # top of the stack is slot 1
             num_free=jnp.asarray(n, jnp.int32),
+            in_use=jnp.zeros((num_slots,), bool),
         )
 
     @property
@@ -170,7 +177,8 @@ def alloc(
     src = jnp.clip(allocator.num_free - 1 - i, 0, max(n - 1, 0))  # pop from the top
     slots = jnp.where(ok & (i < count), allocator.free_slots[src], 0).astype(jnp.int32)
     num_free = allocator.num_free - jnp.where(ok, count, 0)
-    return allocator.replace(num_free=num_free), slots, ok
+    in_use = allocator.in_use.at[jnp.where(slots > 0, slots, n + 1)].set(True, mode="drop")
+    return allocator.replace(num_free=num_free, in_use=in_use), slots, ok
 
 
 def free(
@@ -178,8 +186,8 @@ def free(
 ) -> SlotAllocator:
     """Push back every ``slots[i]`` with ``mask[i]`` true (all if ``mask`` is None).
 
-    Slot 0 is always ignored, and so are ids outside ``1 .. N``. Freeing a slot that is not in
-    use (or the same slot twice) is a caller bug and corrupts the stack. Freed slots go on top
+    Slot 0 is always ignored, and so are ids outside ``1 .. N``, slots that are not in use
+    (a double free is a no-op) and every repeat of a slot after its first. Freed slots go on top
     of the stack, so they are the next handed out (last freed, first out).
 
     >>> a, slots, ok = alloc(SlotAllocator.create(8), 3, max_count=4)
@@ -188,17 +196,31 @@ def free(
     >>> a = free(a, slots, mask=jnp.array([True, False, True, True]))  # 1 and 3; 0 is ignored
     >>> int(a.num_free), alloc(a, 2, max_count=2)[1].tolist()
     (6, [3, 1])
+    >>> b = free(a, jnp.array([2, 2, 3, 5]))  # 2 once; 3 and 5 are free already: ignored
+    >>> int(b.num_free), _free_ids(b)[-1]
+    (7, 2)
     """
     n = allocator.free_slots.shape[0]
-    keep = (slots > 0) & (slots <= n)
+    slots = slots.astype(jnp.int32)
+    idx = jnp.clip(slots, 0, n)
+    keep = (slots > 0) & (slots <= n) & allocator.in_use[idx]
     if mask is not None:
         keep = keep & mask
+    # a slot listed several times is freed by its first listing only
+    i = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    first = jnp.full((n + 1,), slots.shape[0], jnp.int32).at[jnp.where(keep, idx, n + 1)].min(
+        i, mode="drop")
+    keep = keep & (first[idx] == i)
     pos = allocator.num_free + jnp.cumsum(keep, dtype=jnp.int32) - 1  # compact the kept ids
-    free_slots = allocator.free_slots.at[jnp.where(keep, pos, n)].set(
-        slots.astype(jnp.int32), mode="drop"
-    )
+    free_slots = allocator.free_slots.at[jnp.where(keep, pos, n)].set(slots, mode="drop")
     num_free = allocator.num_free + jnp.sum(keep, dtype=jnp.int32)
-    return allocator.replace(free_slots=free_slots, num_free=num_free)
+    in_use = allocator.in_use.at[jnp.where(keep, idx, n + 1)].set(False, mode="drop")
+    return allocator.replace(free_slots=free_slots, num_free=num_free, in_use=in_use)
+
+
+def _free_ids(allocator: SlotAllocator) -> list[int]:
+    """The free stack as a list, bottom first (host only; for examples and tests)."""
+    return np.asarray(allocator.free_slots)[: int(allocator.num_free)].tolist()
 
 
 def alloc_or_raise(
@@ -214,16 +236,13 @@ def alloc_or_raise(
     >>> alloc_or_raise(a, 2, what="token slots")
     Traceback (most recent call last):
     ...
-    hybridattn.pools.PoolExhausted: token slots exhausted: need 2, 1 free of 3
+    servecore.errors.PoolExhausted: token slots exhausted: requested 2, 1 available of 3
     """
     _check_int("count", count, 0)
     bucket = 1 << max(count - 1, 0).bit_length()  # one compile per power of two
     new, slots, ok = _alloc_jit(allocator, jnp.asarray(count, jnp.int32), max_count=bucket)
     if not bool(ok):
-        raise PoolExhausted(
-            f"{what} exhausted: need {count}, {int(allocator.num_free)} free "
-            f"of {allocator.capacity}"
-        )
+        raise PoolExhausted(count, int(allocator.num_free), what, allocator.capacity)
     return new, np.asarray(slots)[:count]
 
 
@@ -239,19 +258,24 @@ _alloc_jit = jax.jit(alloc, static_argnames="max_count")
 class ReqToTokenPool:
     """Token slot of every (request row, position), and the allocator of request rows.
 
-    Row 0 is the padding row: never allocated, never written, all zeros.
+    Row 0 is the padding row: never allocated, never written, all zeros. Per row,
+    ``req_lens`` is how many positions are recorded (what ``serving.step`` checks a batch's
+    ``seq_lens`` against) and ``borrowed`` how many leading positions hold slots the row
+    borrows from a prefix cache (see the module docstring: the row never frees those).
 
     >>> pool = ReqToTokenPool.create(max_running_requests=2, max_context_len=4)
     >>> pool.req_to_token.shape, pool.max_running_requests, pool.max_context_len
     ((3, 4), 2, 4)
     >>> pool, rows, ok = alloc_reqs(pool, 1, max_count=1)
     >>> pool = write_token_slots(pool, jnp.array([1, 1]), jnp.array([0, 1]), jnp.array([7, 3]))
-    >>> pool.req_to_token.tolist()
-    [[0, 0, 0, 0], [7, 3, 0, 0], [0, 0, 0, 0]]
+    >>> pool.req_to_token.tolist(), pool.req_lens.tolist()
+    ([[0, 0, 0, 0], [7, 3, 0, 0], [0, 0, 0, 0]], [0, 2, 0])
     """
 
     req_to_token: Int[Array, "R L"]
     allocator: SlotAllocator
+    req_lens: Int[Array, " R"]
+    borrowed: Int[Array, " R"]
 
     @classmethod
     def create(cls, max_running_requests: int, max_context_len: int) -> ReqToTokenPool:
@@ -261,6 +285,8 @@ class ReqToTokenPool:
         return cls(
             req_to_token=jnp.zeros((max_running_requests + 1, max_context_len), jnp.int32),
             allocator=SlotAllocator.create(max_running_requests + 1),
+            req_lens=jnp.zeros((max_running_requests + 1,), jnp.int32),
+            borrowed=jnp.zeros((max_running_requests + 1,), jnp.int32),
         )
 
     @property
@@ -305,6 +331,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         return cls(
             req_to_token=base.req_to_token,
             allocator=base.allocator,
+            req_lens=base.req_lens,
+            borrowed=base.borrowed,
             req_to_state=jnp.zeros((max_running_requests + 1,), jnp.int32),
             state_allocator=SlotAllocator.create(num_state_slots),
         )
@@ -366,7 +394,7 @@ def alloc_reqs_or_raise(pool: ReqToTokenPool, count: int) -> tuple[ReqToTokenPoo
     >>> alloc_reqs_or_raise(pool, 1)
     Traceback (most recent call last):
     ...
-    hybridattn.pools.PoolExhausted: request rows exhausted: need 1, 0 free of 2
+    servecore.errors.PoolExhausted: request rows exhausted: requested 1, 0 available of 2
     """
     _check_int("count", count, 0)
     bucket = 1 << max(count - 1, 0).bit_length()  # one compile per power of two
@@ -376,8 +404,7 @@ def alloc_reqs_or_raise(pool: ReqToTokenPool, count: int) -> tuple[ReqToTokenPoo
                  ("recurrent-state slots", getattr(pool, "state_allocator", None)))
                  if a is not None and int(a.num_free) < count]
         what, a = short[0]
-        raise PoolExhausted(f"{what} exhausted: need {count}, {int(a.num_free)} free "
-                            f"of {a.capacity}")
+        raise PoolExhausted(count, int(a.num_free), what, a.capacity)
     return new, np.asarray(rows)[:count]
 
 
@@ -386,8 +413,8 @@ def free_reqs(
 ) -> ReqToTokenPool:
     """Free the request rows ``req_indices[i]`` with ``mask[i]`` true (row 0 is ignored) and
     clear them to 0; on a :class:`HybridReqToTokenPool` also free their state slots and clear
-    their ``req_to_state``. Token slots are not freed (see the module docstring). Freeing a
-    row that is not in use, or listing a row twice, is a caller bug.
+    their ``req_to_state``. Token slots are not freed (see the module docstring). A row that
+    is not in use is ignored, and a row listed twice is freed once.
 
     >>> pool, rows, ok = alloc_reqs(HybridReqToTokenPool.create(2, 4), 2, max_count=2)
     >>> pool = write_token_slots(pool, rows, jnp.array([0, 0]), jnp.array([5, 6]))
@@ -401,10 +428,13 @@ def free_reqs(
     keep = (req_indices > 0) & (req_indices < num_rows)
     if mask is not None:
         keep = keep & mask
+    keep = keep & pool.allocator.in_use[jnp.clip(req_indices, 0, num_rows - 1)]
     rows = jnp.where(keep, req_indices, num_rows)  # out of range: dropped
     pool = pool.replace(
         allocator=free(pool.allocator, req_indices, keep),
         req_to_token=pool.req_to_token.at[rows].set(0, mode="drop"),
+        req_lens=pool.req_lens.at[rows].set(0, mode="drop"),
+        borrowed=pool.borrowed.at[rows].set(0, mode="drop"),
     )
     if isinstance(pool, HybridReqToTokenPool):
         states = pool.req_to_state[jnp.clip(req_indices, 0, num_rows - 1)]
@@ -423,8 +453,9 @@ def write_token_slots(
     mask: Bool[Array, " T"] | None = None,
 ) -> ReqToTokenPool:
     """Record ``req_to_token[req_indices[t], positions[t]] = slots[t]`` for every token with
-    ``mask[t]`` true. Masked-off tokens, tokens of row 0 and out-of-range positions write
-    nothing. Two kept tokens with the same (row, position) is a caller bug (either may win).
+    ``mask[t]`` true, and grow each written row's ``req_lens`` to cover its written positions.
+    Masked-off tokens, tokens of row 0 and out-of-range positions write nothing. Two kept
+    tokens with the same (row, position) is a caller bug (either may win).
 
     >>> pool = ReqToTokenPool.create(max_running_requests=2, max_context_len=4)
     >>> pool = write_token_slots(pool, req_indices=jnp.array([1, 1, 1, 0]),
@@ -438,7 +469,8 @@ def write_token_slots(
         keep = keep & mask
     rows = jnp.where(keep, req_indices, num_rows)
     table = pool.req_to_token.at[rows, positions].set(slots.astype(jnp.int32), mode="drop")
-    return pool.replace(req_to_token=table)
+    lens = pool.req_lens.at[rows].max((positions + 1).astype(jnp.int32), mode="drop")
+    return pool.replace(req_to_token=table, req_lens=lens)
 
 
 def get_token_slots(

@@ -290,7 +290,8 @@ class RefSlotAllocator:
     >>> sorted(ref.used), sorted(ref.free)
     ([1, 2, 3], [4])
     >>> a = ref.alloc(2, *alloc(a, 2, max_count=4))  # only 1 free: must fail, change nothing
-    >>> ref.free_slots([2, 0]); ref.check(free(a, jnp.array([2, 0])))
+    >>> ref.free_slots([2, 0]), ref.check(free(a, jnp.array([2, 0])))  # 0 ignored, not counted
+    (0, None)
     >>> ref.can_alloc(2)
     True
     """
@@ -350,19 +351,18 @@ class RefSlotAllocator:
         self.used |= set(got)
 
     def free_slots(self, slots: Int[ArrayLike, " M"] | Sequence[int],
-                   mask: Bool[ArrayLike, " M"] | None = None) -> None:
-        """Record ``pools.free(allocator, slots, mask)``: 0 and ids outside ``1 .. capacity``
-        are ignored, as the real ``free`` does. Freeing a slot that is not in use, or one twice,
-        is a caller bug (it corrupts the real stack): an ``AssertionError``."""
+                   mask: Bool[ArrayLike, " M"] | None = None) -> int:
+        """Record ``pools.free(allocator, slots, mask)``: 0, ids outside ``1 .. capacity``,
+        slots not in use (a double free) and repeats are ignored, as the real ``free`` does.
+        Returns how many slots it ignored that the caller asked to free."""
         slots = _host(slots).astype(np.int64).reshape(-1)
         keep = (slots > 0) & (slots <= self.capacity)
         if mask is not None:
             keep &= _host(mask).astype(bool).reshape(-1)
-        ids = slots[keep].tolist()
-        if len(set(ids)) != len(ids) or not set(ids) <= self.used:
-            _fail(f"free({ids}): ids must be distinct slots in use (used: {sorted(self.used)})")
-        self.used -= set(ids)
-        self.free |= set(ids)
+        ids = set(slots[keep].tolist()) & self.used
+        self.used -= ids
+        self.free |= ids
+        return int(keep.sum()) - len(ids)
 
     def check(self, allocator: SlotAllocator) -> None:
         """Assert that ``allocator`` holds exactly the model's free slots, each once."""
@@ -375,6 +375,9 @@ class RefSlotAllocator:
             _fail(f"free slots {sorted(stack)}, expected {sorted(self.free)}")
         if allocator.num_used != len(self.used):
             _fail(f"num_used={allocator.num_used}, expected {len(self.used)}")
+        in_use = set(np.flatnonzero(_host(allocator.in_use)).tolist())
+        if in_use != self.used:
+            _fail(f"in_use marks {sorted(in_use)}, expected {sorted(self.used)}")
 
 
 class RefReqToTokenPool:
@@ -404,6 +407,7 @@ class RefReqToTokenPool:
                                 else _int("num_state_slots", num_state_slots, 2))
         self.rows: dict[int, int] = {}
         self.table: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}  # recorded length of each live row
 
     @classmethod
     def from_pool(cls, pool: ReqToTokenPool) -> RefReqToTokenPool:
@@ -413,10 +417,11 @@ class RefReqToTokenPool:
                   pool.num_state_slots if hybrid else None, hybrid=hybrid)
         free = set(_free_stack(pool.allocator))
         states = _host(pool.req_to_state) if hybrid else None
-        table = _host(pool.req_to_token)
+        table, lens = _host(pool.req_to_token), _host(pool.req_lens)
         for row in sorted(set(range(1, pool.max_running_requests + 1)) - free):
             ref.rows[row] = int(states[row]) if hybrid else 0
             ref.table[row] = table[row].tolist()
+            ref.lens[row] = int(lens[row])
         ref.check(pool)
         return ref
 
@@ -438,6 +443,24 @@ class RefReqToTokenPool:
         if self.hybrid:
             fit = fit and count <= len(self.free_states)
         return 0 <= count and fit
+
+    def take(self, count: int) -> list[int]:
+        """Simulate ``alloc_reqs`` without a device: the ``count`` smallest free rows, each with
+        the smallest free state slot; an ``AssertionError`` if they are not free.
+
+        >>> ref = RefReqToTokenPool(max_running_requests=3, max_context_len=4)
+        >>> ref.take(2), ref.rows
+        ([1, 2], {1: 1, 2: 2})
+        """
+        if not self.can_alloc(count):
+            _fail(f"take({count}): {len(self.free_rows)} free rows, {len(self.free_states)} "
+                  "free state slots")
+        rows = sorted(self.free_rows)[:count]
+        for r in rows:
+            self.rows[r] = min(self.free_states) if self.hybrid else 0
+            self.table[r] = [0] * self.max_context_len
+            self.lens[r] = 0
+        return rows
 
     def token_slots(self, row: int) -> list[int]:
         """The token slots recorded for ``row`` (all zeros for a free row)."""
@@ -474,23 +497,20 @@ class RefReqToTokenPool:
         for r, s in zip(got, states, strict=True):
             self.rows[r] = s
             self.table[r] = [0] * self.max_context_len
+            self.lens[r] = 0
         self.check(pool)
         return pool
 
     def free_reqs(self, req_indices: Int[ArrayLike, " M"] | Sequence[int],
                   mask: Bool[ArrayLike, " M"] | None = None) -> None:
-        """Record ``pools.free_reqs(pool, req_indices, mask)`` (row 0 and rows out of range
-        ignored). Freeing a row not in use, or one twice, is a caller bug."""
+        """Record ``pools.free_reqs(pool, req_indices, mask)``: row 0, rows out of range, rows
+        not in use and repeats are ignored."""
         rows = _host(req_indices).astype(np.int64).reshape(-1)
         keep = (rows > 0) & (rows <= self.max_running_requests)
         if mask is not None:
             keep &= _host(mask).astype(bool).reshape(-1)
-        ids = rows[keep].tolist()
-        if len(set(ids)) != len(ids) or not set(ids) <= set(self.rows):
-            _fail(f"free_reqs({ids}): rows must be distinct rows in use "
-                  f"(live: {sorted(self.rows)})")
-        for r in ids:
-            del self.rows[r], self.table[r]
+        for r in set(rows[keep].tolist()) & set(self.rows):
+            del self.rows[r], self.table[r], self.lens[r]
 
     def write_token_slots(
         self, req_indices: Int[ArrayLike, " T"], positions: Int[ArrayLike, " T"],
@@ -512,6 +532,7 @@ class RefReqToTokenPool:
             if r not in self.rows:
                 _fail(f"write_token_slots into row {r}, which is not in use")
             self.table[r][p] = v
+            self.lens[r] = max(self.lens[r], p + 1)
 
     def check(self, pool: ReqToTokenPool) -> None:
         """Assert that ``pool`` holds exactly the model: free rows and state slots (each once),
@@ -527,6 +548,11 @@ class RefReqToTokenPool:
         if not np.array_equal(got, table):
             bad = sorted({int(r) for r in np.argwhere(got != table)[:, 0]})
             _fail(f"req_to_token differs from the model in rows {bad}")
+        lens = np.zeros(self.max_running_requests + 1, np.int64)
+        for r, n in self.lens.items():
+            lens[r] = n
+        if not np.array_equal(_host(pool.req_lens), lens):
+            _fail(f"req_lens {_host(pool.req_lens).tolist()}, expected {lens.tolist()}")
         if isinstance(pool, HybridReqToTokenPool) != self.hybrid:
             _fail(f"the model is {'hybrid' if self.hybrid else 'plain'}, the pool is not")
         if self.hybrid:
@@ -566,34 +592,50 @@ class RefServingPools:
     False
     """
 
-    def __init__(self, tokens: RefSlotAllocator, requests: RefReqToTokenPool):
+    def __init__(self, tokens: RefSlotAllocator, requests: RefReqToTokenPool,
+                 vocab_size: int | None = None):
         self.tokens = tokens
         self.requests = requests
+        self.vocab_size = vocab_size
         self._contents: tuple | None = None
 
     @classmethod
     def from_state(cls, state: ServingState) -> RefServingPools:
         """The model of a real state (checked against it, contents copied)."""
         ref = cls(RefSlotAllocator.from_allocator(state.token_allocator),
-                  RefReqToTokenPool.from_pool(state.req_to_token_pool))
+                  RefReqToTokenPool.from_pool(state.req_to_token_pool), state.config.vocab_size)
         ref.check(state)
         return ref
 
     def expect_ok(self, batch: ModelWorkerBatch) -> bool:
-        """Whether ``step`` must succeed on ``batch``: every request with new tokens names a row
-        in use, ``extend_seq_lens <= seq_lens <= kv_width``, ``extend_seq_lens <=
-        max_extend_len``, the new tokens fit ``T`` and the free token slots."""
+        """Whether ``step`` must succeed on ``batch``: no negative row, length or token count;
+        every request with new tokens names a distinct row in use (never row 0) whose recorded
+        length is ``seq_lens - extend_seq_lens``, with ``seq_lens <= kv_width`` and
+        ``extend_seq_lens <= max_extend_len``; its tokens lie in the vocabulary; the new tokens
+        fit ``T`` and the free token slots."""
         rows, seq, ext = (_host(x).astype(np.int64) for x in
                           (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
-        active = (rows > 0) & (ext > 0)
-        for r, s, e in zip(rows[active], seq[active], ext[active], strict=True):
-            if r not in self.requests.rows or not e <= s <= batch.kv_width:
+        if (rows < 0).any() or (seq < 0).any() or (ext < 0).any():
+            return False
+        ids = _host(batch.input_ids).astype(np.int64)
+        start = 0
+        seen: set[int] = set()
+        for b, (r, s, e) in enumerate(zip(rows.tolist(), seq.tolist(), ext.tolist(),
+                                          strict=True)):
+            if e == 0:
+                continue
+            if r in seen or r not in self.requests.rows or self.requests.lens[r] != s - e:
                 return False
-            if e > batch.max_extend_len:
+            if s > batch.kv_width or e > batch.max_extend_len:
+                return False
+            seen.add(r)
+            mine = ids[b: b + 1] if batch.forward_mode == ForwardMode.DECODE else ids[
+                start: start + e]
+            start += e
+            if self.vocab_size is not None and ((mine < 0) | (mine >= self.vocab_size)).any():
                 return False
         total = int(ext.sum())
-        return bool((ext >= 0).all()) and total <= batch.num_tokens and self.tokens.can_alloc(
-            total)
+        return total <= batch.num_tokens and self.tokens.can_alloc(total)
 
     def step(self, batch: ModelWorkerBatch, state: ServingState,
              ok: Bool[ArrayLike, ""]) -> ServingState:
@@ -614,10 +656,38 @@ class RefServingPools:
                     new_slots += got
                     live_states.add(self.requests.rows[r])
                     self.requests.table[r][s - e: s] = got
+                    self.requests.lens[r] = s
             self.tokens._take(new_slots, "the step's new-token allocation")
         self._check_untouched(state, {0, *new_slots}, {0, *live_states})
         self.check(state)
         return state
+
+    def apply(self, batch: ModelWorkerBatch) -> bool:
+        """Simulate ``step``'s bookkeeping without a device (for host schedulers driven against
+        the model): when ``expect_ok(batch)``, every live request's new tokens take the
+        smallest free token slots, recorded at their positions. Returns the ``ok`` that
+        ``step`` would return.
+
+        >>> ref = RefServingPools(RefSlotAllocator(9), RefReqToTokenPool(2, 8), vocab_size=64)
+        >>> row = ref.requests.take(1)[0]
+        >>> from hybridattn import WorkItem, make_worker_batch
+        >>> ref.apply(make_worker_batch([WorkItem(row, 0, [5, 6])], vocab_size=64,
+        ...                             max_context_len=8))
+        True
+        >>> ref.requests.token_slots(row)[:3], ref.requests.lens[row]
+        ([1, 2, 0], 2)
+        """
+        if not self.expect_ok(batch):
+            return False
+        rows, seq, ext = (_host(x).astype(np.int64) for x in
+                          (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
+        for r, n, e in zip(rows.tolist(), seq.tolist(), ext.tolist(), strict=True):
+            if e > 0:
+                got = sorted(self.tokens.free)[:e]
+                self.tokens._take(got, "apply")
+                self.requests.table[r][n - e: n] = got
+                self.requests.lens[r] = n
+        return True
 
     def release(self, req_pool_indices: Int[ArrayLike, " B"] | Sequence[int],
                 mask: Bool[ArrayLike, " B"] | None = None) -> None:
@@ -917,9 +987,8 @@ def sampling_params(*, vocab_size: int = 64, greedy: bool | None = None,
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)
     ... @given(sampling_params(vocab_size=8))
-    ... def test_valid(sp):
-    ...     sp.check()
-    ...     assert 0 <= sp.top_k <= 8
+    ... def test_valid(sp):  # SamplingParams checks its values when it is built
+    ...     assert 0 <= sp.top_k <= 8 and 0 < sp.top_p <= 1
     >>> test_valid()
     """
     _int("vocab_size", vocab_size, 1)

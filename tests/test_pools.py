@@ -287,11 +287,12 @@ def test_alloc_or_raise():
     a = SlotAllocator.create(64)
     a, slots = pools.alloc_or_raise(a, 51, what="token slots")
     assert isinstance(slots, np.ndarray) and slots.tolist() == list(range(1, 52))
-    with pytest.raises(PoolExhausted, match=r"^token slots exhausted: need 40, 12 free of 63$"):
+    with pytest.raises(PoolExhausted,
+                       match=r"^token slots exhausted: requested 40, 12 available of 63$"):
         pools.alloc_or_raise(a, 40, what="token slots")
     a, slots = pools.alloc_or_raise(a, 12)
     assert a.num_used == 63 and len(slots) == 12
-    with pytest.raises(PoolExhausted, match="slots exhausted: need 1, 0 free of 63"):
+    with pytest.raises(PoolExhausted, match="slots exhausted: requested 1, 0 available of 63"):
         pools.alloc_or_raise(a, 1)
 
 
@@ -486,11 +487,12 @@ def test_alloc_reqs_or_raise_names_what_ran_out():
     pool, rows = P.alloc_reqs_or_raise(pool, 2)
     assert rows.tolist() == [1, 2]
     before = jax.tree.map(np.asarray, pool)
-    msg = "recurrent-state slots exhausted: need 1, 0 free of 2"
+    msg = "recurrent-state slots exhausted: requested 1, 0 available of 2"
     with pytest.raises(P.PoolExhausted, match=msg):
         P.alloc_reqs_or_raise(pool, 1)
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, pool))
     plain = P.ReqToTokenPool.create(1, 8)
     plain, _ = P.alloc_reqs_or_raise(plain, 1)
-    with pytest.raises(P.PoolExhausted, match="request rows exhausted: need 2, 0 free of 1"):
+    with pytest.raises(P.PoolExhausted,
+                       match="request rows exhausted: requested 2, 0 available of 1"):
         P.alloc_reqs_or_raise(plain, 2)
