@@ -59,6 +59,8 @@ from hybridattn.pools import (
     free_reqs,
     write_token_slots,
 )
+from servecore.sampling import SamplingParams
+from servecore.validate import check_int, token_ids
 
 # Shape aliases:
 #   B  requests in the batch (padding rows use request row 0)
@@ -236,37 +238,6 @@ class ModelWorkerBatch:
         )
 
 
-class SamplingParams(NamedTuple):
-    """Per-request sampling: greedy when ``temperature == 0``; ``top_k == 0`` and
-    ``top_p == 1`` switch those filters off; ``seed`` picks the request's random stream.
-
-    >>> SamplingParams()  # greedy
-    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
-    >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1).check()  # valid: returns None
-    >>> SamplingParams(top_p=0.0).check()
-    Traceback (most recent call last):
-    ...
-    ValueError: top_p=0.0 must be in (0, 1]
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad setting (``make_worker_batch`` and
-        ``Engine.add_request`` call it)."""
-        if not (np.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if int(self.seed) != self.seed or not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**31)")
-
-
 class WorkItem(NamedTuple):
     """One request's share of a step: row ``req_index`` with ``prefix_len`` tokens already in
     the pools runs ``token_ids`` now (a prompt, a prompt chunk, or one token to decode).
@@ -293,15 +264,19 @@ def make_worker_batch(
     num_tokens: int | None = None,
     kv_width: int | None = None,
     max_extend_len: int | None = None,
+    state: ServingState | None = None,
 ) -> ModelWorkerBatch:
     """Host side: pack ``items`` into a ``ModelWorkerBatch`` padded to ``num_requests``
     rows and ``num_tokens`` tokens (defaults: exactly what the items need; ``kv_width`` and
     ``max_extend_len`` default to the longest request and the most new tokens).
 
-    Raises ``ValueError`` naming the item for an empty token list, a token id outside the
-    vocabulary, a bad row, a row used twice, a request outgrowing ``max_context_len``, more
-    than one token per request in a DECODE batch, bad sampling settings, or a batch that does
-    not fit its buckets.
+    Raises ``ValueError`` naming the item for an empty token list, a token id that is not an
+    int or lies outside the vocabulary, a row below 1 (row 0 is padding), a row used twice, a
+    request outgrowing ``max_context_len``, more than one token per request in a DECODE
+    batch, sampling that is not a ``SamplingParams``, or a batch that does not fit its
+    buckets. Given the ``state`` the batch will run on, it also checks what ``step`` checks
+    against the pools (each row allocated, ``prefix_len`` equal to the row's recorded length),
+    at the cost of reading two small arrays from the device.
 
     >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])],
     ...                           vocab_size=64, max_context_len=16)
@@ -314,39 +289,41 @@ def make_worker_batch(
     >>> make_worker_batch([WorkItem(1, 0, [70])], vocab_size=64, max_context_len=16)
     Traceback (most recent call last):
     ...
-    ValueError: request 0 (row 1): token id 70 is outside the vocabulary [0, 64)
+    ValueError: request 0 (row 1): token_ids: token 0 is 70, outside the vocabulary [0, 64)
     """
     if not items:
         raise ValueError("make_worker_batch needs at least one request")
+    recorded = None
+    if state is not None:  # the state-dependent checks step makes inside jit, with messages
+        pool = state.req_to_token_pool
+        recorded = (np.asarray(pool.req_to_state), np.asarray(pool.req_lens))
     seen: set[int] = set()
+    tokens = []
     for n, it in enumerate(items):
-        ids = np.asarray(it.token_ids)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"request {n} (row {it.req_index}): token ids must be ints, got "
-                             f"dtype {ids.dtype}")
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"request {n} (row {it.req_index}): token_ids must be a non-empty "
-                             f"list of ints, got shape {ids.shape}")
-        bad = (ids < 0) | (ids >= vocab_size)
-        if bad.any():
-            raise ValueError(f"request {n} (row {it.req_index}): token id {int(ids[bad][0])} "
-                             f"is outside the vocabulary [0, {vocab_size})")
-        if it.req_index < 1:
-            raise ValueError(f"request {n}: req_index={it.req_index} must be >= 1 (row 0 is the "
-                             "padding row)")
-        if it.req_index in seen:
-            raise ValueError(f"request {n}: row {it.req_index} appears twice in the batch")
-        seen.add(it.req_index)
-        if it.prefix_len < 0:
-            raise ValueError(f"request {n}: prefix_len={it.prefix_len} < 0")
-        if it.prefix_len + ids.size > max_context_len:
-            raise ValueError(f"request {n}: {it.prefix_len + ids.size} tokens exceed "
+        row = check_int(f"request {n}: req_index", it.req_index, 1)
+        where = f"request {n} (row {row})"
+        ids = token_ids(f"{where}: token_ids", it.token_ids, vocab_size)
+        if row in seen:
+            raise ValueError(f"request {n}: row {row} appears twice in the batch")
+        seen.add(row)
+        prefix = check_int(f"{where}: prefix_len", it.prefix_len, 0)
+        if prefix + len(ids) > max_context_len:
+            raise ValueError(f"{where}: {prefix + len(ids)} tokens exceed "
                              f"max_context_len={max_context_len}")
-        if forward_mode == ForwardMode.DECODE and ids.size != 1:
-            raise ValueError(f"request {n}: a DECODE batch takes one token per request, got "
-                             f"{ids.size}")
-        SamplingParams(*it.sampling).check()
-    lens = np.array([len(it.token_ids) for it in items], np.int32)
+        if forward_mode == ForwardMode.DECODE and len(ids) != 1:
+            raise ValueError(f"{where}: a DECODE batch takes one token per request, got "
+                             f"{len(ids)}")
+        if not isinstance(it.sampling, SamplingParams):
+            raise ValueError(f"{where}: sampling={it.sampling!r} must be a SamplingParams")
+        if recorded is not None:
+            states, lens = recorded
+            if row >= states.shape[0] or states[row] == 0:
+                raise ValueError(f"{where}: row {row} is not allocated in this state")
+            if lens[row] != prefix:
+                raise ValueError(f"{where}: prefix_len={prefix} but the row records "
+                                 f"{int(lens[row])} tokens (a stale or repeated batch?)")
+        tokens.append(ids)
+    lens = np.array([len(t) for t in tokens], np.int32)
     seq = lens + np.array([it.prefix_len for it in items], np.int32)
     B = num_requests or len(items)
     T = num_tokens or (B if forward_mode == ForwardMode.DECODE else int(lens.sum()))
@@ -368,16 +345,16 @@ def make_worker_batch(
         out[: len(values)] = values
         return jnp.asarray(out)
 
-    sp = [SamplingParams(*it.sampling) for it in items]
+    sp = [it.sampling for it in items]
     return ModelWorkerBatch(
-        input_ids=pad(np.concatenate([np.asarray(it.token_ids) for it in items]), T),
+        input_ids=pad(np.concatenate(tokens), T),
         req_pool_indices=pad([it.req_index for it in items], B),
         seq_lens=pad(seq, B),
         extend_seq_lens=pad(lens, B),
-        temperatures=pad([s.temperature for s in sp], B, np.float32),
+        temperatures=pad([0.0 if s.greedy else s.temperature for s in sp], B, np.float32),
         top_ks=pad([s.top_k for s in sp], B),
         top_ps=pad([s.top_p for s in sp], B, np.float32, 1.0),
-        seeds=pad([s.seed for s in sp], B),
+        seeds=pad([s.seed or 0 for s in sp], B),
         kv_width=W,
         max_extend_len=Q,
         forward_mode=forward_mode,
@@ -442,8 +419,10 @@ def sample(
         rank = jnp.arange(V)[None]
         keep = (top_ks[:, None] <= 0) | (rank < top_ks[:, None])
         probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
-        # rank 0 always kept; top_p == 1 keeps everything (the f32 running sum may round)
-        keep &= ((jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None]) | (top_ps[:, None] >= 1)
+        # rank 0 always kept (even if top_p rounded to 0 in float32); top_p == 1 keeps
+        # everything (the f32 running sum may round)
+        keep &= (((jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None])
+                 | (top_ps[:, None] >= 1) | (rank == 0))
         # back to vocabulary order, so that a row without filters draws exactly as plain()
         keep = jnp.zeros_like(keep).at[jnp.arange(B)[:, None], order].set(keep)
         masked = jnp.where(keep, logits / temps, -jnp.inf)
@@ -507,19 +486,30 @@ def _token_layout(batch: ModelWorkerBatch):
     return b, pos.astype(jnp.int32), live, jnp.clip(ends - 1, 0, T - 1)
 
 
-def _batch_fits(state: ServingState, batch: ModelWorkerBatch):
-    """Whether every active request of ``batch`` is servable: an allocated row of this pool,
-    lengths within ``kv_width`` / ``max_extend_len``, tokens within ``T``. Checked inside jit
-    (the host builder checks the same with messages); a batch that does not fit fails the
-    step like a full pool does."""
+def _batch_fits(state: ServingState, batch: ModelWorkerBatch, vocab_size: int):
+    """Whether ``batch`` is servable on ``state``, checked inside jit (``make_worker_batch``
+    checks the batch-only conditions on the host first, with messages). A batch that does not
+    fit fails the step like a full pool does. Every request with new tokens must name an
+    allocated row of this pool (not row 0, not negative, not past the pool, not free), each
+    row at most once, with ``seq_lens - extend_seq_lens`` equal to the length recorded for
+    the row (a stale batch run twice does not fit); lengths must lie within ``kv_width`` /
+    ``max_extend_len``, the new tokens within ``T`` and the vocabulary; no row may name a
+    negative row or length."""
     pool = state.req_to_token_pool
     rows, seq, ext = batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens
     num_rows = pool.req_to_token.shape[0]
-    active = (rows > 0) & (ext > 0)
-    row_ok = (rows < num_rows) & (pool.req_to_state[jnp.clip(rows, 0, num_rows - 1)] > 0)
-    each = row_ok & (ext <= seq) & (seq <= batch.kv_width) & (ext <= batch.max_extend_len)
-    return jnp.all(jnp.where(active, each, True)) & (jnp.sum(ext) <= batch.num_tokens) & jnp.all(
-        ext >= 0)
+    active = ext > 0
+    r = jnp.clip(rows, 0, num_rows - 1)
+    row_ok = (rows > 0) & (rows < num_rows) & (pool.req_to_state[r] > 0)
+    each = (row_ok & (seq - ext == pool.req_lens[r]) & (seq <= batch.kv_width)
+            & (ext <= batch.max_extend_len))
+    repeated = jnp.sum((rows[:, None] == rows[None, :]) & active[None, :], axis=1) > 1
+    b, _, live, _ = _token_layout(batch)
+    ids = batch.input_ids
+    ids_ok = jnp.all(jnp.where(live, (ids >= 0) & (ids < vocab_size), True))
+    return (jnp.all(jnp.where(active, each & ~repeated, True)) & jnp.all(ext >= 0)
+            & jnp.all(rows >= 0) & jnp.all(seq >= 0) & (jnp.sum(ext) <= batch.num_tokens)
+            & ids_ok)
 
 
 def step(
@@ -532,9 +522,11 @@ def step(
     Allocates a token slot for every new token and records it in ``req_to_token``; runs the
     model through the hybrid backend (MLA latents and KDA states written to the pools);
     samples each request's next token from its last new token's logits. Rows with no new
-    token are padding. If the token slots run out, or the batch names a row that is not
-    allocated or a length beyond its buckets, ``ok`` is False: every request runs as padding,
-    so only the slot-0 sinks are written and every live slot is unchanged.
+    token are padding. If the token slots run out, or the batch does not fit the state (a row
+    that is negative, past the pool, free or repeated, a padding row carrying tokens,
+    ``seq_lens`` that disagree with a row's recorded length, a token outside the vocabulary, a
+    length beyond the batch's buckets), ``ok`` is False: every request runs as padding, so only
+    the slot-0 sinks are written and every live slot is unchanged.
 
     Two prompts in one EXTEND batch; row 2's prompt ``[8, 9, 10, 11]`` comes in two chunks:
 
@@ -580,7 +572,7 @@ def step(
     T = batch.num_tokens
     ext = batch.extend_seq_lens
     n_new = jnp.sum(ext)
-    fits = _batch_fits(state, batch)
+    fits = _batch_fits(state, batch, cfg.vocab_size)
     allocator, slots, ok = alloc(state.token_allocator, jnp.where(fits, n_new, -1), max_count=T)
     # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
     # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
@@ -659,8 +651,9 @@ def decode_steps(
 def release(
     state: ServingState, req_pool_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
 ) -> ServingState:
-    """Free finished requests: every token slot recorded in their rows of ``req_to_token``,
-    their rows and their recurrent-state slots. Row 0, rows not in use and repeats are
+    """Free finished requests: the token slots their rows own (every slot recorded at a
+    position at or past the row's ``borrowed`` length; borrowed ones belong to a prefix
+    cache), their rows and their recurrent-state slots. Row 0, rows not in use and repeats are
     ignored, as are rows whose ``mask`` entry is False. Pure; jit it with the state donated.
 
     Row 2 holds 3 token slots (written here by hand, as ``step`` would):
@@ -689,8 +682,8 @@ def release(
     # only rows in use (their state slot is set), each once: releasing twice is a no-op
     keep = cand & first & (pool.req_to_state[rows] > 0)
     slots = pool.req_to_token[rows]  # [B, L]; unused positions hold 0, which free ignores
-    allocator = free(state.token_allocator, slots.reshape(-1),
-                     jnp.repeat(keep, slots.shape[1]))
+    owned = keep[:, None] & (jnp.arange(slots.shape[1])[None, :] >= pool.borrowed[rows][:, None])
+    allocator = free(state.token_allocator, slots.reshape(-1), owned.reshape(-1))
     return state.replace(token_allocator=allocator,
                          req_to_token_pool=free_reqs(pool, req_pool_indices, keep))
 
