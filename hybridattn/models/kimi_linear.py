@@ -88,6 +88,17 @@ def _check_supported(config: KimiLinearConfig) -> None:
             f"moe_router_activation_func={config.moe_router_activation_func!r}: "
             "expected 'sigmoid' or 'softmax'"
         )
+    if config.hidden_act != "silu":
+        raise ValueError(
+            f"KimiLinearConfig.hidden_act={config.hidden_act!r} is not supported: the MLPs and "
+            "the KDA output gate are implemented for 'silu' only"
+        )
+    if not config.use_grouped_topk and config.num_experts and config.num_expert_group > 1:
+        raise ValueError(
+            f"KimiLinearConfig.use_grouped_topk=False with num_expert_group="
+            f"{config.num_expert_group} is not supported: the router always selects expert "
+            "groups first (as mlx-lm and transformers do)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -618,6 +629,45 @@ def _keeps_f32(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in _F32_PARAMS
 
 
+def check_params(params: Params, config: KimiLinearConfig) -> None:
+    """Raise ``ValueError`` naming the first parameter whose path, shape or dtype kind does not
+    match ``param_shapes(config)`` (every leaf a floating array, any float dtype). ``Engine``
+    calls it, so params of another config never run silently.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> check_params(init_params(cfg, jax.random.key(0)), cfg)  # fits: returns None
+    >>> check_params(init_params(cfg, jax.random.key(0)), dataclasses.replace(cfg, vocab_size=65))
+    Traceback (most recent call last):
+    ...
+    ValueError: params do not match the config: lm_head.weight has shape (64, 32), the config \
+needs (65, 32)
+    """
+    want = dict(_flat(param_shapes(config)))
+    try:
+        got = dict(_flat(params))
+    except Exception as e:  # not a tree of arrays at all
+        raise ValueError(f"params must be the nested dict of arrays of param_shapes(config): "
+                         f"{e}") from None
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"params do not match the config ({config.num_hidden_layers} layers): "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, spec in want.items():
+        leaf = got[name]
+        shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
+        if shape != spec.shape:
+            raise ValueError(f"params do not match the config: {name} has shape {shape}, the "
+                             f"config needs {spec.shape}")
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"params: {name} has dtype {dtype}, expected a floating dtype")
+
+
+def _flat(tree) -> list[tuple[str, Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf)
+            for path, leaf in leaves]
+
+
 def param_shapes(config: KimiLinearConfig, dtype=jnp.float32) -> Params:
     """The tree ``init_params`` returns, as ``jax.ShapeDtypeStruct`` leaves (nothing is
     allocated): ``A_log``, ``dt_bias`` and ``e_score_correction_bias`` are float32, the rest
@@ -967,7 +1017,8 @@ def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.Pat
 
 
 __all__ = [
-    "apply", "compute_logits", "dense_mlp", "decoder_layer", "forward", "from_checkpoint",
+    "apply", "check_params", "compute_logits", "dense_mlp", "decoder_layer", "forward",
+    "from_checkpoint",
     "init_params", "kda_attention", "load", "mla_attention", "mla_split", "param_shapes",
     "rms_norm", "route", "save_pretrained", "sparse_moe", "to_checkpoint",
 ]
