@@ -1,7 +1,7 @@
 """``hybridattn.Engine``: host-side continuous batching around the pure ``hybridattn.step``.
 
-The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (state
-donated). Each ``Engine.step`` is one scheduling round:
+The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (state donated);
+``hybridattn.scheduler.Scheduler`` decides what runs. Each scheduling round:
 
 1. **Admit** waiting requests (FIFO) while a request row and a recurrent-state slot are free
    (``get_max_running_requests`` bounds the rows) and the token slots can hold the request's
@@ -14,40 +14,48 @@ donated). Each ``Engine.step`` is one scheduling round:
 3. **Pad** the batch to shape buckets (requests, tokens, attention width, longest extend), so
    the step compiles once per bucket tuple, and run it.
 4. **Finish** requests on a stop token or ``max_new_tokens``: their token slots, row and state
-   slot are released at once (``hybridattn.serving.release``) and waiting requests move
-   up.
+   slot are released (``hybridattn.serving.release``) and waiting requests move up.
 
-Bad requests (empty prompt, token ids outside the vocabulary, ``max_new_tokens < 1``, a prompt
-that cannot fit the context or the pool) raise ``ValueError`` from ``Engine.add_request``
-before anything changes; running requests are unaffected.
+The contract with callers (``Engine`` docstring): any number of ``generate``, ``stream`` and
+``add_request`` / ``step`` users may be interleaved in one thread; each gets its own requests'
+tokens (per-request output buffers), each stream ends when its own requests end, and aborting
+any request is safe at any point. Calls from several threads are serialized by a lock. A
+round is a transaction: an exception anywhere in it (a ``KeyboardInterrupt`` included, which
+is held until the round has committed) leaves the pools and the bookkeeping in agreement.
+
+Bad requests (an empty prompt, token ids that are not ints or lie outside the vocabulary,
+``max_new_tokens < 1``, sampling settings the device cannot hold, a prompt that cannot fit the
+context or the pool) raise ``ValueError`` from ``Engine.add_request`` before anything changes;
+running requests are unaffected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridattn.backend import ForwardMode
 from hybridattn.config import KimiLinearConfig
+from hybridattn.models import kimi_linear
 from hybridattn.pools import alloc_reqs
-from hybridattn.serving import (
-    SamplingParams,
-    ServingState,
-    WorkItem,
-    make_worker_batch,
-    release,
-    step,
-)
+from hybridattn.scheduler import Request, Scheduler, StepPlan, ladder
+from hybridattn.serving import ServingState, make_worker_batch, release, step
+from servecore import memory as _memory
+from servecore.sampling import SamplingParams
+from servecore.stats import ServingStats
+from servecore.validate import check_int, check_real, prompt_list, stop_ids, token_ids
 
-__all__ = ["Engine", "EngineStats", "MemoryReport", "available_memory_bytes"]
+__all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_bytes"]
 
 
 # The jitted functions are shared by every engine (a second engine of the same config and
@@ -68,37 +76,39 @@ _alloc_row = jax.jit(_counted(lambda pool: alloc_reqs(pool, 1, 1)))
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS reports as available, in bytes (``MemAvailable`` on Linux; physical
-    pages elsewhere). ``Engine`` sizes its default token pool from it.
+    """Memory available to this process, in bytes: the least of ``MemAvailable`` (physical
+    pages off Linux) and what its cgroups still allow (``servecore.memory``). ``Engine``
+    sizes its default token pool from it.
 
     >>> available_memory_bytes() > 0
     True
     """
+    return _memory.available_memory_bytes()
+
+
+@contextlib.contextmanager
+def _deferred_interrupts():
+    """Hold a ``SIGINT`` (Ctrl-C) that arrives inside the block and raise it at the end, so a
+    round that has started committing finishes first. Python delivers signals to the main
+    thread only, so elsewhere this is a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
-    """``lo, lo * factor, ...`` below ``hi``, then ``hi``: the default shape buckets (few
-    buckets, few compilations; padding wastes at most ``factor``x)."""
-    out = []
-    while lo < hi:
-        out.append(lo)
-        lo *= factor
-    return (*out, hi)
-
-
-def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+        old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    except (ValueError, TypeError):  # no signals here (a sub-interpreter, say)
+        yield
+        return
+    if old is None:  # a handler installed outside Python: leave it alone
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        old = signal.default_int_handler
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if caught and callable(old):
+            old(signal.SIGINT, caught[0])  # the default handler raises KeyboardInterrupt
 
 
 @dataclasses.dataclass
@@ -149,15 +159,16 @@ class MemoryReport:
 
 
 @dataclasses.dataclass
-class EngineStats:
+class EngineStats(ServingStats):
     """Counters since the engine was built (or ``Engine.reset_stats``): ``Engine.stats``.
 
-    Steps that compiled are left out of the throughput figures. ``prefill_*``: steps that ran
-    prompt tokens (decodes riding along in the same mixed step are not counted as tokens, but
-    their time is here); ``decode_*``: pure decode steps. ``num_compilations``: traces of the
-    engine's jitted functions (the step, one per new shape bucket, plus row allocation and
-    release). ``ttft``: seconds from ``add_request`` to the first token, per request.
-    ``buckets``: the ``(mode, B, T, W, Q)`` shape buckets the steps used.
+    The core counters and rates are ``servecore.ServingStats``'s, named and defined as in
+    ``mlxcache.EngineStats``. Steps that compiled are left out of the throughput figures.
+    ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
+    are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
+    Here: ``steps``; ``num_compilations``: traces of the engine's jitted functions (the step,
+    one per new shape bucket, plus row allocation and release); ``buckets``: the ``(mode, B,
+    T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that compiled.
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -166,53 +177,10 @@ class EngineStats:
     """
 
     steps: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
     num_compilations: int = 0
     compile_seconds: float = 0.0
-    ttft: list[float] = dataclasses.field(default_factory=list)
     buckets: set = dataclasses.field(default_factory=set)  # step shape buckets used
     compiled_buckets: list = dataclasses.field(default_factory=list)  # ... that compiled
-
-    @property
-    def prefill_tok_s(self) -> float:
-        """Prompt tokens per second of the prefill (and mixed) steps; 0 before any."""
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Generated tokens per second of the pure decode steps; 0 before any."""
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def mean_ttft(self) -> float:
-        """Mean time to first token in seconds; 0 before any."""
-        return float(np.mean(self.ttft)) if self.ttft else 0.0
-
-
-@dataclasses.dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: frozenset
-    arrival: float
-    output: list[int] = dataclasses.field(default_factory=list)
-    row: int = 0
-    computed: int = 0  # tokens whose KV / state is in the pools
-    finished: bool = False
-
-    @property
-    def need(self) -> int:
-        """Token slots over the request's whole life (the last sampled token never runs)."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
 
 
 class Engine:
@@ -223,10 +191,29 @@ class Engine:
     are greedy unless given a ``temperature``; a request's samples depend on its prompt and
     seed, not on which other requests share its steps.
 
+    The contract with callers:
+
+    - Any number of ``generate``, ``stream`` and ``add_request`` / ``step`` users may be
+      interleaved in one thread (a ``generate`` inside a loop over a stream, two streams
+      consumed alternately, ``step`` calls while a stream is open). Every request's tokens
+      reach whoever asked for them: a stream yields its own requests' tokens, whoever
+      advanced the engine; ``step`` returns the tokens of requests queued with
+      ``add_request``, including those generated while a stream or ``generate`` was advancing
+      the engine. Each stream ends when its own requests end.
+    - ``abort`` is safe at any point, for a waiting or a running request, from inside a loop
+      over a stream too (that stream then ends that request without more tokens). A stream
+      closed early (``close()``, ``break``, or garbage-collected) aborts what is left of it.
+    - Calls from several threads are **serialized**: one lock guards every round, request and
+      abort, so threads sharing an engine each get their own requests' tokens.
+    - A scheduling round is a transaction: an exception anywhere in it leaves the pools and the
+      bookkeeping in agreement (a ``KeyboardInterrupt`` that arrives mid-round is held until
+      the round has committed, then raised).
+
     Args:
         config: the model's config (``hybridattn.models.kimi_linear.load`` or
             ``KimiLinearConfig``).
-        params: the model's parameters (``kimi_linear.load`` or ``kimi_linear.init_params``).
+        params: the model's parameters (``kimi_linear.load`` or ``kimi_linear.init_params``);
+            checked against ``kimi_linear.param_shapes(config)``.
         max_running_requests: request rows (default 32).
         max_context_len: longest prompt + generation (default ``min(model_max_length, 4096)``).
         num_token_slots: MLA token slots; default: what ``mem_fraction`` of the available
@@ -242,7 +229,7 @@ class Engine:
         kv_buckets: shape buckets of the attention width (default: powers of four from 64
             up to ``max_context_len``).
         chunk_size: the KDA prefill chunk.
-        dtype: the pools' dtype (MLA latents and conv states; KDA states are float32).
+        dtype: the pools' floating dtype (MLA latents and conv states; KDA states are float32).
         seed: the base sampling key (``ServingState.create``).
 
     Attributes:
@@ -254,7 +241,8 @@ class Engine:
         capacity: token slots for requests (the sink excluded).
 
     Raises:
-        ValueError: a size, fraction or bucket list that cannot work, naming it.
+        ValueError: a size, fraction, dtype, bucket list or parameter tree that cannot work,
+            or a config value that is not implemented, naming it.
 
     Two greedy prompts on a tiny random model; the engine compiles one EXTEND and one
     DECODE step here (one per shape bucket used):
@@ -284,6 +272,14 @@ class Engine:
     True
     >>> engine.num_running, engine.has_unfinished()  # finished requests are released
     (0, False)
+
+    A request queued with ``add_request`` gets its tokens from ``step`` even when a
+    ``generate`` advanced the engine in between:
+
+    >>> rid = engine.add_request([7, 8], 2)
+    >>> _ = engine.generate([[1]], 3)
+    >>> [tok for r, tok, _ in engine.step() if r == rid] == engine.generate([[7, 8]], 2)[0]
+    True
     """
 
     def __init__(
@@ -303,24 +299,41 @@ class Engine:
         dtype=jnp.float32,
         seed: int = 0,
     ):
+        if not isinstance(config, KimiLinearConfig):
+            raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
+        kimi_linear._check_supported(config)  # unimplemented config values, by name
+        kimi_linear.check_params(params, config)
         if max_context_len is None:
             max_context_len = min(config.model_max_length or 4096, 4096)
-        for name, v in (("max_running_requests", max_running_requests),
-                        ("max_context_len", max_context_len),
-                        ("chunked_prefill_size", chunked_prefill_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        if not 0 < mem_fraction <= 1:
+        check_int("max_running_requests", max_running_requests, 1)
+        check_int("max_context_len", max_context_len, 1)
+        check_int("chunked_prefill_size", chunked_prefill_size, 1)
+        check_int("chunk_size", chunk_size, 1)
+        check_int("seed", seed, 0)
+        if num_token_slots is not None:
+            check_int("num_token_slots", num_token_slots, 2)
+        if check_real("mem_fraction", mem_fraction) <= 0 or mem_fraction > 1:
             raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"dtype={dtype!r} must be a floating dtype (the pools hold "
+                             "activations)")
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size
-        itemsize = jnp.dtype(dtype).itemsize
-        n_mla, n_kda = len(config.full_attention_layer_ids), len(config.kda_layer_ids)
-        H, Dk, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-        mla_tok = n_mla * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
-        state_req = n_kda * (H * Dk * Dk * 4 + (K - 1) * 3 * H * Dk * itemsize)
+        geometry = dict(max_running_requests=max_running_requests,
+                        max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,
+                        seed=seed)
+        # Bytes per token and per request, read from the pools' own layout (shapes only).
+        shapes = jax.eval_shape(lambda: ServingState.create(config, num_token_slots=2,
+                                                            **geometry))
+        mla_tok = shapes.token_to_kv_pool.bytes_per_token
+        state_req = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
+                        for x in jax.tree.leaves(shapes.recurrent_state_pool))
         full_tok = (config.num_hidden_layers * config.num_attention_heads
-                    * (config.q_head_dim + config.v_head_dim) * itemsize)
+                    * (config.q_head_dim + config.v_head_dim) * jnp.dtype(dtype).itemsize)
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         budget = int(mem_fraction * available_memory_bytes())
         if num_token_slots is None:
@@ -334,10 +347,7 @@ class Engine:
                     f"max_context_len={max_context_len}: lower max_context_len or raise "
                     "mem_fraction"
                 )
-        self.state = ServingState.create(
-            config, max_running_requests=max_running_requests, max_context_len=max_context_len,
-            num_token_slots=num_token_slots, dtype=dtype, chunk_size=chunk_size, seed=seed,
-        )
+        self.state = ServingState.create(config, num_token_slots=num_token_slots, **geometry)
         self.max_running_requests = self.state.max_running_requests
         if self.max_running_requests < 1:
             raise ValueError(f"num_token_slots={num_token_slots} cannot hold one request of "
@@ -347,20 +357,16 @@ class Engine:
         self.memory = MemoryReport(
             budget_bytes=budget, param_bytes=param_bytes,
             max_running_requests=self.max_running_requests, max_context_len=max_context_len,
-            num_token_slots=num_token_slots, mla_layers=n_mla, mla_bytes_per_token=mla_tok,
-            full_attn_bytes_per_token=full_tok, state_bytes_per_request=state_req,
+            num_token_slots=num_token_slots, mla_layers=config.num_mla_layers,
+            mla_bytes_per_token=mla_tok, full_attn_bytes_per_token=full_tok,
+            state_bytes_per_request=state_req,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
         )
         R = self.max_running_requests
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
-        self.request_buckets = tuple(request_buckets or _ladder(1, R))
-        self.token_buckets = tuple(token_buckets or _ladder(16, max_t))
-        self.kv_buckets = tuple(kv_buckets or _ladder(64, max_context_len))
-        for name, bk in (("request_buckets", self.request_buckets),
-                         ("token_buckets", self.token_buckets), ("kv_buckets", self.kv_buckets)):
-            if (not all(isinstance(b, int) and not isinstance(b, bool) for b in bk)
-                    or list(bk) != sorted(set(bk)) or bk[0] < 1):
-                raise ValueError(f"{name}={bk} must be increasing positive ints")
+        self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))
+        self.token_buckets = _buckets("token_buckets", token_buckets, ladder(16, max_t))
+        self.kv_buckets = _buckets("kv_buckets", kv_buckets, ladder(64, max_context_len))
         if self.kv_buckets[-1] > max_context_len:
             raise ValueError(f"kv_buckets={self.kv_buckets} must not exceed max_context_len="
                              f"{max_context_len}")
@@ -375,11 +381,26 @@ class Engine:
                              f"takes up to chunked_prefill_size={chunked_prefill_size} prompt "
                              f"tokens and one token of each of {R} running requests")
         self.stats = EngineStats()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._free_rows = R
-        self._reserved = 0
+        self.scheduler = Scheduler(
+            capacity=self.capacity, max_running_requests=R,
+            chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
+            token_buckets=self.token_buckets, kv_buckets=self.kv_buckets)
+        self._lock = threading.RLock()
         self._next_rid = 0
+        self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it
+        self._outbox: list[tuple[int, int, bool]] = []  # tokens of add_request requests
+        self._orphans: deque[int] = deque()  # rids of streams dropped mid-transaction
+        self._busy = 0  # depth of transactions (rounds, aborts) in progress
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """The lock, interrupts held, and the busy mark finalizers look at."""
+        with self._lock, _deferred_interrupts():
+            self._busy += 1
+            try:
+                yield
+            finally:
+                self._busy -= 1
 
     def _call(self, fn, *args):
         """Run a shared jitted function, counting the compilations it needed."""
@@ -398,189 +419,162 @@ class Engine:
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
-        top_k: int = 0,
         top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
+        top_k: int = 0,
+        seed: int | None = 0,
+        stop_token_ids: int | Sequence[int] | None = None,
     ) -> int:
         """Queue a request; returns its id (ids count up from 0). It is admitted by a later
-        ``step`` once a row and the token slots for its whole life (prompt +
-        ``max_new_tokens - 1``) are free. Generation ends after ``max_new_tokens`` tokens or
-        on a token in ``stop_token_ids`` (which is kept). Raises ``ValueError`` naming the
-        bad value, and then nothing has changed."""
-        req = self._make_request(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                 stop_token_ids)
-        self._next_rid += 1
-        self._waiting.append(req)
-        return req.rid
+        round once a row and the token slots for its whole life (prompt +
+        ``max_new_tokens - 1``) are free; ``step`` returns its tokens. Generation ends after
+        ``max_new_tokens`` tokens or on a token in ``stop_token_ids`` (which is kept).
+        Raises ``ValueError`` naming the bad value, and then nothing has changed."""
+        with self._lock:
+            req = self._make_request(prompt, max_new_tokens, temperature, top_p, top_k, seed,
+                                     stop_token_ids)
+            self._next_rid += 1
+            self.scheduler.add(req)
+            return req.rid
 
-    def _make_request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                      stop_token_ids) -> _Request:
+    def _make_request(self, prompt, max_new_tokens, temperature, top_p, top_k, seed,
+                      stop_token_ids, what: str = "prompt") -> Request:
         """A validated request with the next id (nothing queued)."""
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt must be a non-empty list of token ids, got {prompt!r}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompt token ids must be ints, got dtype {ids.dtype}")
         V = self.config.vocab_size
-        bad = (ids < 0) | (ids >= V)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"prompt token {i} is {int(ids[i])}, outside the vocabulary "
-                             f"[0, {V})")
-        if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
-                or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        for name, v in (("top_k", top_k), ("seed", seed)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-                raise ValueError(f"{name}={v!r} must be an int")
-        sampling = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed))
-        sampling.check()
-        stops = np.asarray(list(stop_token_ids) if stop_token_ids is not None else [], np.int64)
-        if stops.ndim != 1 or ((stops < 0) | (stops >= V)).any():
-            raise ValueError(f"stop_token_ids={stop_token_ids!r} must be token ids in [0, {V})")
-        req = _Request(self._next_rid, ids.tolist(), int(max_new_tokens), sampling,
-                       frozenset(stops.tolist()), time.perf_counter())
+        ids = token_ids(what, prompt, V)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed)
+        req = Request(self._next_rid, ids, int(max_new_tokens), sampling,
+                      stop_ids(stop_token_ids, V))
         if req.need > self.max_context_len:
-            raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} "
+            raise ValueError(f"{what} of {len(ids)} tokens + max_new_tokens={max_new_tokens} "
                              f"needs a context of {req.need} tokens, more than max_context_len="
                              f"{self.max_context_len}")
         if req.need > self.capacity:
-            raise ValueError(f"the request needs {req.need} token slots, more than the pool "
-                             f"holds ({self.capacity})")
+            raise ValueError(f"{what} needs {req.need} token slots, more than the pool holds "
+                             f"({self.capacity})")
         return req
 
     def abort(self, rid: int) -> bool:
-        """Drop request ``rid`` (waiting or running; its slots are released at once). Returns
-        whether it was still unfinished."""
-        for r in self._waiting:
-            if r.rid == rid:
-                self._waiting.remove(r)
-                return True
-        for r in self._running:
-            if r.rid == rid:
-                self._finish([r])
-                return True
-        return False
+        """End request ``rid`` (waiting or running; its slots are released at once). Safe at
+        any point; a stream owning it ends that request. Returns whether it was still
+        unfinished."""
+        with self._transaction():
+            req = self.scheduler.abort(rid)
+            if req is None:
+                return False
+            self._flush_releases()
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                sink.append((rid, None, True))
+            return True
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
-        return bool(self._waiting or self._running)
+        with self._lock:
+            if self._orphans and not self._busy:
+                with self._transaction():
+                    self._reap_orphans()
+            s = self.scheduler
+            return bool(s.waiting or s.running or s.releasing)
+
+    def _reap_orphans(self) -> None:
+        """Abort the requests of streams dropped while a transaction was in progress."""
+        while self._orphans:
+            rid = self._orphans.popleft()
+            self._sinks.pop(rid, None)
+            self.scheduler.abort(rid)
+        self._flush_releases()
 
     @property
     def num_running(self) -> int:
         """Admitted requests (holding a row and their token-slot reservation)."""
-        return len(self._running)
+        return self.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
         """Queued requests not admitted yet."""
-        return len(self._waiting)
+        return self.scheduler.num_waiting
 
     # ---------------------------------------------------------------------------------------
     # one scheduling round
     # ---------------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        while self._waiting and self._free_rows > 0:
-            req = self._waiting[0]
-            if self._reserved + req.need > self.capacity:
-                break  # wait for running requests to finish
-            pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
-            if not bool(ok):  # cannot happen while the host counts agree with the pool
-                raise RuntimeError("request-row allocation failed with rows counted free")
-            self.state = self.state.replace(req_to_token_pool=pool)
-            req.row = int(rows[0])
-            self._waiting.popleft()
-            self._running.append(req)
-            self._free_rows -= 1
-            self._reserved += req.need
-
-    def _schedule(self) -> tuple[ForwardMode, list[tuple[_Request, list[int]]]]:
-        decoding = [r for r in self._running if r.computed >= len(r.prompt)]
-        prefilling = [r for r in self._running if r.computed < len(r.prompt)]
-        if not prefilling:
-            return ForwardMode.DECODE, [(r, [r.tokens[r.computed]]) for r in decoding]
-        work = [(r, [r.tokens[r.computed]]) for r in decoding]
-        budget = min(self.chunked_prefill_size, self.token_buckets[-1] - len(decoding))
-        for r in prefilling:
-            if budget <= 0:
-                break
-            n = min(budget, len(r.prompt) - r.computed)
-            work.append((r, r.prompt[r.computed: r.computed + n]))
-            budget -= n
-        return ForwardMode.EXTEND, work
-
     def step(self) -> list[tuple[int, int, bool]]:
-        """One scheduling round (admit, schedule, run one step, finish); returns
-        ``(request id, new token, finished)`` for every token generated in it (none for a
-        step that only ran prompt chunks, or when nothing is queued)."""
-        self._admit()
-        if not self._running:
-            return []
-        mode, work = self._schedule()
-        items = [WorkItem(r.row, r.computed, toks, r.sampling) for r, toks in work]
-        n_tok = sum(len(t) for _, t in work)
-        B = _bucket(len(items), self.request_buckets, "requests in a step")
-        seq_max = max(r.computed + len(t) for r, t in work)
-        W = _bucket(seq_max, self.kv_buckets, "context length")
-        if mode == ForwardMode.DECODE:
-            T, Q = B, 1
-        else:
-            T = _bucket(n_tok, self.token_buckets, "tokens in a step")
-            Q = min(T, _bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
+        """One scheduling round (admit, schedule, run one step, finish); returns ``(request
+        id, token, finished)`` for every token of the requests queued with ``add_request``
+        that nobody has received yet: those of this round and of rounds a ``stream`` or
+        ``generate`` ran since the last ``step`` (none for a round that only ran prompt
+        chunks, or when nothing is queued)."""
+        with self._lock:
+            self._round()
+            events, self._outbox = self._outbox, []
+            return events
+
+    def _round(self) -> bool:
+        """One round, as a transaction; returns whether a step ran."""
+        with self._transaction():
+            self._reap_orphans()
+            for req in self.scheduler.admissible():
+                pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
+                if not bool(ok):  # cannot happen while the host counts agree with the pool
+                    raise RuntimeError("request-row allocation failed with rows counted free")
+                self.state = self.state.replace(req_to_token_pool=pool)
+                self.scheduler.admitted(req, int(rows[0]))
+            plan = self.scheduler.plan()
+            if plan is None:
+                return False
+            self._run(plan)
+            self._flush_releases()
+            return True
+
+    def _run(self, plan: StepPlan) -> None:
+        B, T, W, Q = plan.buckets
         batch = make_worker_batch(
-            items, vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
-            forward_mode=mode, num_requests=B, num_tokens=T, kv_width=W, max_extend_len=Q,
+            plan.items(), vocab_size=self.config.vocab_size,
+            max_context_len=self.max_context_len, forward_mode=plan.mode, num_requests=B,
+            num_tokens=T, kv_width=W, max_extend_len=Q,
         )
-        self.stats.buckets.add((int(mode), B, T, W, Q))
+        key = (int(plan.mode), *plan.buckets)
         traces = _TRACES[0]
         t0 = time.perf_counter()
         self.state, out = self._call(_step, self.params, self.state, batch)
-        tokens = np.asarray(out.next_token_ids)
-        if not bool(out.ok):  # the admission reservation makes this unreachable
+        tokens = np.asarray(out.next_token_ids).tolist()
+        if not bool(out.ok):  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
         now = time.perf_counter()
-        dt = now - t0
+        # -- commit: plain Python from here on --
+        s = self.stats
+        s.buckets.add(key)
+        s.steps += 1
         if _TRACES[0] > traces:  # this call compiled
-            self.stats.compiled_buckets.append((int(mode), B, T, W, Q))
-            self.stats.compile_seconds += dt
+            s.compiled_buckets.append(key)
+            s.compile_seconds += now - t0
+        elif plan.prompt_tokens:
+            s.prefill_tokens += plan.prompt_tokens
+            s.prefill_seconds += now - t0
         else:
-            n_prefill = sum(len(t) for r, t in work if r.computed < len(r.prompt))
-            if mode == ForwardMode.DECODE:
-                self.stats.decode_tokens += n_tok
-                self.stats.decode_seconds += dt
-            else:
-                self.stats.prefill_tokens += n_prefill
-                self.stats.prefill_seconds += dt
-        self.stats.steps += 1
+            s.decode_tokens += plan.num_tokens
+            s.decode_seconds += now - t0
+        first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
+        events, _ = self.scheduler.commit(plan, tokens)
+        for r in first:
+            s.requests += 1
+            s.prompt_tokens += len(r.prompt)
+            s.ttft.append(now - r.arrival)
+        for event in events:
+            self._sinks.get(event[0], self._outbox).append(event)
 
-        events, done = [], []
-        for i, (r, toks) in enumerate(work):
-            r.computed += len(toks)
-            if r.computed < len(r.prompt):
-                continue  # a prompt chunk: its sample is discarded
-            tok = int(tokens[i])
-            if not r.output:
-                self.stats.ttft.append(now - r.arrival)
-            r.output.append(tok)
-            r.finished = tok in r.stop_token_ids or len(r.output) >= r.max_new_tokens
-            events.append((r.rid, tok, r.finished))
-            if r.finished:
-                done.append(r)
-        if done:
-            self._finish(done)
-        return events
-
-    def _finish(self, done: list[_Request]) -> None:
-        R = self.request_buckets[-1]
-        rows = np.zeros(R, np.int32)
+    def _flush_releases(self) -> None:
+        """Give finished requests' rows and token slots back (device first, then the
+        scheduler's counts); a release that fails is retried by the next round."""
+        done = list(self.scheduler.releasing)
+        if not done:
+            return
+        rows = np.zeros(self.request_buckets[-1], np.int32)
         rows[: len(done)] = [r.row for r in done]
         self.state = self._call(_release, self.state, jnp.asarray(rows))
-        for r in done:
-            self._running.remove(r)
-            self._free_rows += 1
-            self._reserved -= r.need
+        self.scheduler.released(done)
 
     # ---------------------------------------------------------------------------------------
     # convenience
@@ -606,70 +600,176 @@ class Engine:
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
+        *,
         temperature: float = 0.0,
-        top_k: int = 0,
         top_p: float = 1.0,
+        top_k: int = 0,
         seed: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
         progress: bool = False,
-    ) -> Iterator[tuple[int, int]]:
+    ) -> Stream:
         """Serve ``prompts`` and yield ``(prompt index, token)`` as tokens are generated.
-        Request ``i`` samples with seed ``seed + i``. All prompts are validated first (a
-        ``ValueError`` names the bad prompt, and nothing is queued); requests left when the
-        consumer stops early are aborted. ``progress`` draws a bar on stderr."""
-        rids = {}
-        for i, p in enumerate(prompts):  # validate every prompt before queueing any
-            try:
-                self._make_request(p, max_new_tokens, temperature, top_k, top_p, seed + i,
-                                   stop_token_ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        for i, p in enumerate(prompts):
-            rids[self.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, seed=seed + i,
-                                  stop_token_ids=stop_token_ids)] = i
-        left = set(rids)
-        total = len(rids) * max_new_tokens
-        try:
-            while left:
-                for rid, tok, finished in self.step():
-                    if rid in rids:
-                        yield rids[rid], tok
-                        if finished:
-                            left.discard(rid)
-                if progress:
-                    _progress(total - self._remaining(left), total)
-        finally:  # the consumer stopped early (or a step raised): free what is left
-            for rid in left:
-                self.abort(rid)
-        if progress:
-            print(file=sys.stderr)
-
-    def _remaining(self, rids) -> int:
-        left = 0
-        for r in list(self._waiting) + self._running:
-            if r.rid in rids:
-                left += r.max_new_tokens - len(r.output)
-        return left
+        Request ``i`` samples with seed ``seed + i``. All prompts are validated and queued
+        before this returns (a ``ValueError`` names the bad prompt, and then nothing is
+        queued); the returned ``Stream`` advances the engine as it is iterated. Requests left
+        when the consumer stops early (``close()``, ``break``, or dropping the stream) are
+        aborted. ``progress`` draws a bar on stderr."""
+        prompts = prompt_list(prompts)
+        check_int("seed", seed, 0)
+        with self._lock:
+            reqs = []
+            for i, p in enumerate(prompts):  # validate every prompt before queueing any
+                req = self._make_request(p, max_new_tokens, temperature, top_p, top_k,
+                                         seed + i, stop_token_ids, what=f"prompt {i}")
+                req.rid = self._next_rid + i
+                reqs.append(req)
+            self._next_rid += len(reqs)
+            out = Stream(self, {r.rid: i for i, r in enumerate(reqs)}, progress,
+                         len(reqs) * int(max_new_tokens))
+            for req in reqs:
+                self.scheduler.add(req)
+            return out
 
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
+        *,
         temperature: float = 0.0,
-        top_k: int = 0,
         top_p: float = 1.0,
+        top_k: int = 0,
         seed: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
         progress: bool = False,
     ) -> list[list[int]]:
         """Generate for every prompt; returns the new tokens of each (a stop token, when hit,
         is the last). Same arguments as ``stream``; see the class docstring for an example."""
-        outs: list[list[int]] = [[] for _ in prompts]
-        for i, tok in self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed,
-                                  stop_token_ids, progress):
-            outs[i].append(tok)
+        stream = self.stream(prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
+                             progress=progress)
+        outs: list[list[int]] = [[] for _ in range(stream.num_prompts)]
+        with stream:
+            for i, tok in stream:
+                outs[i].append(tok)
         return outs
+
+
+def _buckets(name: str, given: Sequence[int] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    if given is None:
+        return default
+    bk = tuple(given)
+    if not bk or not all(isinstance(b, int) and not isinstance(b, bool) for b in bk) or (
+            list(bk) != sorted(set(bk)) or bk[0] < 1):
+        raise ValueError(f"{name}={given!r} must be increasing positive ints")
+    return bk
+
+
+class Stream(Iterator[tuple[int, int]]):
+    """The iterator ``Engine.stream`` returns: ``(prompt index, token)`` of its own requests,
+    in the order they were generated, advancing the engine when it has none buffered. It ends
+    when each of its requests has finished (or was aborted); ``close()`` (also on leaving a
+    ``with`` block, or when the stream is garbage-collected) aborts what is left.
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> engine = Engine(cfg, kimi_linear.init_params(cfg, jax.random.key(0)),
+    ...                 max_running_requests=2, max_context_len=16, num_token_slots=33)
+    >>> a, b = engine.stream([[1, 2]], 3), engine.stream([[3]], 3)
+    >>> [next(a)[1], next(b)[1]] == [engine.generate([[1, 2]], 1)[0][0],
+    ...                              engine.generate([[3]], 1)[0][0]]
+    True
+    >>> a.close(); len(list(b)), engine.has_unfinished()
+    (2, False)
+    """
+
+    def __init__(self, engine: Engine, index: dict[int, int], progress: bool, total: int):
+        self._engine = engine
+        self._index = index  # rid -> prompt index
+        self._left = set(index)
+        self._events: deque = deque()
+        self._progress = progress
+        self._total, self._done = total, 0
+        for rid in index:
+            engine._sinks[rid] = self._events
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the stream serves."""
+        return len(self._index)
+
+    @property
+    def request_ids(self) -> list[int]:
+        """The engine's request id of each prompt, in prompt order (for ``Engine.abort``)."""
+        return sorted(self._index, key=self._index.__getitem__)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        eng = self._engine
+        while True:
+            with eng._lock:
+                while self._events:
+                    rid, tok, finished = self._events.popleft()
+                    if finished:
+                        self._left.discard(rid)
+                        eng._sinks.pop(rid, None)
+                    if tok is not None:
+                        self._done += 1
+                        return self._index[rid], tok
+                if not self._left:
+                    self._end()
+                    raise StopIteration
+                ran = eng._round()
+                if self._progress:
+                    left = sum(r.max_new_tokens - len(r.output) for r in
+                               (*eng.scheduler.waiting, *eng.scheduler.running)
+                               if r.rid in self._left)
+                    _progress(self._total - left, self._total)
+                if not ran and not self._events:  # cannot happen: validation ensures a fit
+                    raise RuntimeError(f"the engine has nothing to run but requests "
+                                       f"{sorted(self._left)} of this stream are unfinished")
+
+    def close(self) -> None:
+        """Abort this stream's unfinished requests and stop yielding."""
+        eng = self._engine
+        with eng._lock:
+            left, self._left = sorted(self._left), set()
+            for rid in left:
+                eng._sinks.pop(rid, None)
+                eng.abort(rid)
+            self._events.clear()
+            self._end()
+
+    def _end(self) -> None:
+        if self._progress:
+            self._progress = False
+            print(file=sys.stderr)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A finalizer may run anywhere, a round of this thread or another included: abort now
+        # only when no transaction is in progress and the lock is free without waiting;
+        # otherwise the engine's next round (or has_unfinished) aborts what is left.
+        try:
+            if not self._left:
+                return
+            eng = self._engine
+            if not eng._busy and eng._lock.acquire(blocking=False):
+                try:
+                    if not eng._busy:
+                        self.close()
+                        return
+                finally:
+                    eng._lock.release()
+            eng._orphans.extend(self._left)
+        except Exception:  # interpreter shutdown
+            pass
 
 
 def _progress(done: int, total: int, width: int = 40) -> None:

@@ -7,9 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridattn import pools as P
+from hybridattn import serving as S
 from hybridattn.backend import ForwardBatch, ForwardMode, MLAAttnBackend, attn_backend_wrapper
 from hybridattn.batch import BatchRequest, make_forward_batch
 from hybridattn.config import KimiLinearConfig
+from hybridattn.engine import Engine
+from hybridattn.models import kimi_linear as M
+from hybridattn.pools import alloc_reqs_or_raise
 
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 MAX_NEW = 64  # the harness writes token slots in fixed-size, masked chunks (one compile)
@@ -83,6 +87,77 @@ class Harness:
 
     def absorb(self, fb: ForwardBatch) -> None:
         self.kv, self.st = fb.token_to_kv_pool, fb.recurrent_state_pool
+
+
+# The engine geometry the serving tests share (tests/test_serving.py,
+# tests/test_adversarial_hybridattn.py), so their compiled steps are shared too.
+CFG = KimiLinearConfig.tiny()  # 3 KDA : 1 MLA, MoE with a shared expert, dense layer 0
+# One pool geometry and one set of buckets for every engine here, so the compiled steps are
+# shared between tests: 384 token slots of a 96-token context hold 4 full requests.
+ENGINE = dict(max_running_requests=8, max_context_len=96, num_token_slots=385, chunk_size=32,
+              chunked_prefill_size=64,
+              request_buckets=(4,), token_buckets=(16, 80), kv_buckets=(96,))
+
+
+def realistic_params(cfg: KimiLinearConfig, seed: int = 0):
+    """Random weights with Kimi-like gate magnitudes: exp(A_log) up to 200."""
+    params = M.init_params(cfg, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    for i in cfg.kda_layer_ids:
+        attn = params["model"]["layers"][i]["self_attn"]
+        a = rng.uniform(1.0, 200.0, attn["A_log"].shape)
+        a.flat[0] = 200.0
+        attn["A_log"] = jnp.log(jnp.asarray(a, jnp.float32))
+    return params
+
+
+PARAMS = realistic_params(CFG)
+
+
+def engine(**kw) -> Engine:
+    return Engine(CFG, PARAMS, **{**ENGINE, **kw})
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+def state_with_rows(n, **kw):
+    """A fresh serving state of the shared geometry with ``n`` request rows allocated."""
+    geometry = dict(max_running_requests=4, max_context_len=96, num_token_slots=385) | kw
+    state = S.ServingState.create(CFG, **geometry)
+    pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, n)
+    return state.replace(req_to_token_pool=pool), [int(r) for r in rows]
+
+
+STEP = jax.jit(S.step)  # not donated: tests reuse their input states
+
+
+def prefilled(n=2):
+    """A state with ``n`` requests prefilled (prompts of 11, 30, ... tokens) and their next
+    tokens."""
+    state, rows = state_with_rows(n)
+    prompts = prompts_of([11, 30, 7][:n], seed=9)
+    wb = S.make_worker_batch([S.WorkItem(r, 0, p) for r, p in zip(rows, prompts, strict=True)],
+                             vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4,
+                             num_tokens=80, kv_width=96, max_extend_len=80)
+    state, out = STEP(PARAMS, state, wb)
+    return state, rows, [len(p) for p in prompts], [int(t) for t in out.next_token_ids[:n]]
+
+
+def decode_batch(rows, lens, toks, order):
+    """DECODE batch with request ``i`` at batch row ``order[i]`` (others padding)."""
+    B = 4
+    ids, req, seq, ext = (np.zeros(B, np.int32) for _ in range(4))
+    for i, b in enumerate(order):
+        ids[b], req[b], seq[b], ext[b] = toks[i], rows[i], lens[i] + 1, 1
+    return S.ModelWorkerBatch(
+        input_ids=jnp.asarray(ids), req_pool_indices=jnp.asarray(req),
+        seq_lens=jnp.asarray(seq), extend_seq_lens=jnp.asarray(ext),
+        temperatures=jnp.zeros(B), top_ks=jnp.zeros(B, jnp.int32), top_ps=jnp.ones(B),
+        seeds=jnp.zeros(B, jnp.int32), kv_width=96, max_extend_len=1,
+        forward_mode=ForwardMode.DECODE)
 
 
 def mlx_greedy(model, prompt, n: int) -> list[int]:

@@ -11,6 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import (
+    CFG,
+    ENGINE,
+    PARAMS,
+    STEP,
+    decode_batch,
+    engine,
+    prefilled,
+    prompts_of,
+    state_with_rows,
+)
 from harness import mlx_greedy as greedy_oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,36 +29,8 @@ from hypothesis import strategies as st
 from hybridattn import serving as S
 from hybridattn import testing
 from hybridattn.backend import ForwardMode
-from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M
-from hybridattn.pools import alloc_reqs_or_raise
-
-CFG = KimiLinearConfig.tiny()  # 3 KDA : 1 MLA, MoE with a shared expert, dense layer 0
-# One pool geometry and one set of buckets for every engine here, so the compiled steps are
-# shared between tests: 384 token slots of a 96-token context hold 4 full requests.
-ENGINE = dict(max_running_requests=8, max_context_len=96, num_token_slots=385, chunk_size=32,
-              chunked_prefill_size=64,
-              request_buckets=(4,), token_buckets=(16, 80), kv_buckets=(96,))
-
-
-def realistic_params(cfg: KimiLinearConfig, seed: int = 0):
-    """Random weights with Kimi-like gate magnitudes: exp(A_log) up to 200."""
-    params = M.init_params(cfg, jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    for i in cfg.kda_layer_ids:
-        attn = params["model"]["layers"][i]["self_attn"]
-        a = rng.uniform(1.0, 200.0, attn["A_log"].shape)
-        a.flat[0] = 200.0
-        attn["A_log"] = jnp.log(jnp.asarray(a, jnp.float32))
-    return params
-
-
-PARAMS = realistic_params(CFG)
-
-
-def engine(**kw) -> Engine:
-    return Engine(CFG, PARAMS, **{**ENGINE, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +65,6 @@ def mlx_greedy(checkpoint):
         return greedy_oracle(model, prompt, n)
 
     return generate
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +196,7 @@ def test_compilations_bounded_over_200_steps():
     [
         ([1, 2, CFG.vocab_size], {}, "256, outside the vocabulary"),
         ([1, -3], {}, "-3, outside the vocabulary"),
-        ([], {}, "non-empty"),
+        ([], {}, "prompt is empty"),
         ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0"),
         (list(range(90)), dict(max_new_tokens=10), "max_context_len=96"),
         ([1], dict(top_p=0.0), "top_p=0.0"),
@@ -256,25 +234,19 @@ def test_generate_names_the_bad_prompt_and_changes_nothing():
 # --------------------------------------------------------------------------------------------
 
 
-def _state_with_rows(n, **kw):
-    geometry = dict(max_running_requests=4, max_context_len=96, num_token_slots=385) | kw
-    state = S.ServingState.create(CFG, **geometry)
-    pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, n)
-    return state.replace(req_to_token_pool=pool), [int(r) for r in rows]
-
-
-_step = jax.jit(S.step)
+_step = STEP
 
 
 def test_decode_steps_in_scan_equal_step_by_step():
-    state, rows = _state_with_rows(2)
+    state, rows = state_with_rows(2)
     a, b = prompts_of([11, 30], seed=9)
     wb = S.make_worker_batch([S.WorkItem(rows[0], 0, a), S.WorkItem(rows[1], 0, b)],
                              vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4,
                              num_tokens=80, kv_width=96, max_extend_len=80)
     state, out = _step(PARAMS, state, wb)
     first = S.make_worker_batch(
-        [S.WorkItem(rows[0], 11, [int(out.next_token_ids[0])], S.SamplingParams(0.9, 0, 1.0, 4)),
+        [S.WorkItem(rows[0], 11, [int(out.next_token_ids[0])],
+                    S.SamplingParams(temperature=0.9, seed=4)),
          S.WorkItem(rows[1], 30, [int(out.next_token_ids[1])])],
         vocab_size=CFG.vocab_size, max_context_len=96, forward_mode=ForwardMode.DECODE,
         num_requests=4, kv_width=96,
@@ -295,7 +267,7 @@ def test_decode_steps_in_scan_equal_step_by_step():
 
 
 def test_while_loop_stops_on_the_ok_flag_and_the_failed_step_changes_nothing():
-    state, rows = _state_with_rows(1)
+    state, rows = state_with_rows(1)
     alloc = jax.jit(lambda a: a.alloc(345, 345))  # leave 39 of the 384 slots free
     allocator, _, _ = alloc(state.token_allocator)
     state = state.replace(token_allocator=allocator)
@@ -405,36 +377,10 @@ def test_sampling_keys_depend_on_seed_and_position_only():
 # --------------------------------------------------------------------------------------------
 
 
-def _prefilled(n=2):
-    """A state with ``n`` requests prefilled (prompts of 11, 30, ... tokens) and their next
-    tokens."""
-    state, rows = _state_with_rows(n)
-    prompts = prompts_of([11, 30, 7][:n], seed=9)
-    wb = S.make_worker_batch([S.WorkItem(r, 0, p) for r, p in zip(rows, prompts, strict=True)],
-                             vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4,
-                             num_tokens=80, kv_width=96, max_extend_len=80)
-    state, out = _step(PARAMS, state, wb)
-    return state, rows, [len(p) for p in prompts], [int(t) for t in out.next_token_ids[:n]]
-
-
-def _decode_batch(rows, lens, toks, order):
-    """DECODE batch with request ``i`` at batch row ``order[i]`` (others padding)."""
-    B = 4
-    ids, req, seq, ext = (np.zeros(B, np.int32) for _ in range(4))
-    for i, b in enumerate(order):
-        ids[b], req[b], seq[b], ext[b] = toks[i], rows[i], lens[i] + 1, 1
-    return S.ModelWorkerBatch(
-        input_ids=jnp.asarray(ids), req_pool_indices=jnp.asarray(req),
-        seq_lens=jnp.asarray(seq), extend_seq_lens=jnp.asarray(ext),
-        temperatures=jnp.zeros(B), top_ks=jnp.zeros(B, jnp.int32), top_ps=jnp.ones(B),
-        seeds=jnp.zeros(B, jnp.int32), kv_width=96, max_extend_len=1,
-        forward_mode=ForwardMode.DECODE)
-
-
 def test_decode_padding_rows_anywhere():
-    state, rows, lens, toks = _prefilled()
-    s1, packed = _step(PARAMS, state, _decode_batch(rows, lens, toks, [0, 1]))
-    s2, spread = _step(PARAMS, state, _decode_batch(rows, lens, toks, [0, 2]))
+    state, rows, lens, toks = prefilled()
+    s1, packed = _step(PARAMS, state, decode_batch(rows, lens, toks, [0, 1]))
+    s2, spread = _step(PARAMS, state, decode_batch(rows, lens, toks, [0, 2]))
     assert bool(packed.ok) and bool(spread.ok)
     np.testing.assert_allclose(np.asarray(spread.logits[jnp.array([0, 2])]),
                                np.asarray(packed.logits[:2]), atol=1e-5)
@@ -449,8 +395,8 @@ def test_decode_padding_rows_anywhere():
 
 @pytest.mark.parametrize("bad", ["free_row", "row_out_of_range", "past_kv_width"])
 def test_a_batch_that_does_not_fit_fails_the_step_and_changes_nothing_live(bad):
-    state, rows, lens, toks = _prefilled()
-    batch = _decode_batch(rows, lens, toks, [0, 1])
+    state, rows, lens, toks = prefilled()
+    batch = decode_batch(rows, lens, toks, [0, 1])
     if bad == "free_row":
         batch = batch.replace(req_pool_indices=batch.req_pool_indices.at[1].set(3))
     elif bad == "row_out_of_range":
@@ -467,7 +413,7 @@ def test_a_batch_that_does_not_fit_fails_the_step_and_changes_nothing_live(bad):
 
 
 def test_release_twice_is_a_no_op():
-    state, rows, _, _ = _prefilled()
+    state, rows, _, _ = prefilled()
     rel = jax.jit(S.release)
     once = rel(state, jnp.array([rows[0], 0, 0, 0]))
     twice = rel(once, jnp.array([rows[0], rows[0], 0, 0]))
