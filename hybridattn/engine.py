@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -598,7 +598,7 @@ class Engine:
 
     def stream(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Iterable[Sequence[int]],
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -632,7 +632,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Iterable[Sequence[int]],
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
