@@ -86,6 +86,13 @@ def available_memory_bytes() -> int:
     return _memory.available_memory_bytes()
 
 
+def _nbytes(x) -> int:
+    """Bytes of an array or a ``ShapeDtypeStruct`` (a PRNG key counts its key data)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return 8 * int(np.prod(x.shape))
+    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
 @contextlib.contextmanager
 def _deferred_interrupts():
     """Hold a ``SIGINT`` (Ctrl-C) that arrives inside the block and raise it at the end, so a
@@ -142,6 +149,39 @@ class MemoryReport:
     full_attn_bytes_per_token: int  # K and V of every layer if all were full multi-head attention
     state_bytes_per_request: int  # KDA conv + recurrent state, summed over the KDA layers
     pool_bytes: int
+
+    @classmethod
+    def for_config(cls, config: KimiLinearConfig, *, max_running_requests: int,
+                   max_context_len: int, num_token_slots: int, dtype=jnp.float32,
+                   budget_bytes: int = 0, param_bytes: int | None = None) -> MemoryReport:
+        """The report of an engine of this geometry, from the pools' layout alone (shapes:
+        nothing is allocated, no parameters are needed; ``param_bytes`` defaults to the size
+        of ``param_shapes(config, dtype)``).
+
+        >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+        >>> r = MemoryReport.for_config(cfg, max_running_requests=2, max_context_len=16,
+        ...                             num_token_slots=33)
+        >>> r.mla_bytes_per_token, r.state_bytes_per_request
+        (160, 6400)
+        """
+        shapes = jax.eval_shape(lambda: ServingState.create(
+            config, max_running_requests=max_running_requests, max_context_len=max_context_len,
+            num_token_slots=num_token_slots, dtype=dtype))
+        if param_bytes is None:
+            param_bytes = sum(_nbytes(x) for x in jax.tree.leaves(
+                kimi_linear.param_shapes(config, dtype)))
+        return cls(
+            budget_bytes=budget_bytes, param_bytes=param_bytes,
+            max_running_requests=max_running_requests, max_context_len=max_context_len,
+            num_token_slots=num_token_slots, mla_layers=config.num_mla_layers,
+            mla_bytes_per_token=shapes.token_to_kv_pool.bytes_per_token,
+            full_attn_bytes_per_token=(config.num_hidden_layers * config.num_attention_heads
+                                       * (config.q_head_dim + config.v_head_dim)
+                                       * jnp.dtype(dtype).itemsize),
+            state_bytes_per_request=sum(_nbytes(x) // x.shape[0] for x in
+                                        jax.tree.leaves(shapes.recurrent_state_pool)),
+            pool_bytes=sum(_nbytes(x) for x in jax.tree.leaves(shapes)),
+        )
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -327,18 +367,15 @@ class Engine:
                         max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,
                         seed=seed)
         # Bytes per token and per request, read from the pools' own layout (shapes only).
-        shapes = jax.eval_shape(lambda: ServingState.create(config, num_token_slots=2,
-                                                            **geometry))
-        mla_tok = shapes.token_to_kv_pool.bytes_per_token
-        state_req = sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
-                        for x in jax.tree.leaves(shapes.recurrent_state_pool))
-        full_tok = (config.num_hidden_layers * config.num_attention_heads
-                    * (config.q_head_dim + config.v_head_dim) * jnp.dtype(dtype).itemsize)
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         budget = int(mem_fraction * available_memory_bytes())
+        unit = MemoryReport.for_config(config, num_token_slots=2, max_running_requests=
+                                       max_running_requests, max_context_len=max_context_len,
+                                       dtype=dtype, param_bytes=param_bytes)
         if num_token_slots is None:
-            left = budget - param_bytes - (max_running_requests + 1) * state_req
-            fit = left // max(mla_tok, 1)
+            left = (budget - param_bytes
+                    - (max_running_requests + 1) * unit.state_bytes_per_request)
+            fit = left // max(unit.mla_bytes_per_token, 1)
             num_token_slots = int(min(fit, max_running_requests * max_context_len)) + 1
             if num_token_slots < max_context_len + 1:
                 raise ValueError(
@@ -354,14 +391,10 @@ class Engine:
                              f"max_context_len={max_context_len}")
         self.max_context_len = max_context_len
         self.capacity = num_token_slots - 1
-        self.memory = MemoryReport(
-            budget_bytes=budget, param_bytes=param_bytes,
-            max_running_requests=self.max_running_requests, max_context_len=max_context_len,
-            num_token_slots=num_token_slots, mla_layers=config.num_mla_layers,
-            mla_bytes_per_token=mla_tok, full_attn_bytes_per_token=full_tok,
-            state_bytes_per_request=state_req,
-            pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
-        )
+        self.memory = dataclasses.replace(
+            unit, budget_bytes=budget, max_running_requests=self.max_running_requests,
+            num_token_slots=num_token_slots,
+            pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)))
         R = self.max_running_requests
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
         self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))

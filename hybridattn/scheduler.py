@@ -168,8 +168,10 @@ class Scheduler:
         capacity: token slots requests may reserve (the sink excluded).
         max_running_requests: requests that run at once.
         chunked_prefill_size: prompt tokens per step.
-        request_buckets, token_buckets, kv_buckets: the shape buckets of ``B``, ``T``
-            (and ``Q``) and ``W``; the last of each must hold the largest step.
+        request_buckets: the shape buckets of ``B`` (the last must hold every row).
+        token_buckets: the shape buckets of ``T`` and ``Q`` (the last must hold a step's
+            prompt chunk and one token of each decoding request).
+        kv_buckets: the shape buckets of ``W`` (the last must hold the longest context).
 
     >>> sched = Scheduler(capacity=8, max_running_requests=1, chunked_prefill_size=4,
     ...                   request_buckets=(1,), token_buckets=(4,), kv_buckets=(8,))
