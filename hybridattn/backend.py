@@ -50,6 +50,7 @@ from hybridattn.pools import (
 )
 
 __all__ = [
+    "SnapshotSpec",
     "ForwardBatch",
     "ForwardMode",
     "FullAttnMetadata",
@@ -84,6 +85,29 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2
 
 
+@pytree_dataclass()
+class SnapshotSpec:
+    """Recurrent-state snapshots an extend forward takes: entry ``m`` copies the KDA states of
+    batch request ``batch_index[m]`` after its first ``lens[m]`` tokens (a depth inside this
+    forward's extend: ``prefix < lens[m] <= seq_lens``) into slot ``slots[m]`` of the
+    snapshot pool, every KDA layer. Unused entries have slot 0 (the snapshot pool's sink).
+
+    >>> spec = SnapshotSpec(batch_index=jnp.array([0, 0, 1, 0]), lens=jnp.array([32, 40, 7, 0]),
+    ...                     slots=jnp.array([3, 4, 5, 0]))  # the last entry is unused
+    >>> spec.num_snapshots
+    4
+    """
+
+    batch_index: Int[Array, " M"]
+    lens: Int[Array, " M"]
+    slots: Int[Array, " M"]
+
+    @property
+    def num_snapshots(self) -> int:
+        """``M``: entries, unused ones included (a static shape)."""
+        return self.slots.shape[0]
+
+
 @pytree_dataclass(static=("kv_width", "max_extend_len", "forward_mode"))
 class ForwardBatch:
     """One forward's inputs and the pools it reads and writes.
@@ -96,6 +120,8 @@ class ForwardBatch:
     repeat and nothing recompiles. Before the forward, ``req_to_token[req, prefix:seq_len]``
     must hold ``out_cache_loc`` of the request's new tokens (the scheduler writes them when it
     allocates). :func:`hybridattn.batch.make_forward_batch` builds one from requests.
+    ``snapshot_pool`` and ``snapshot_spec`` (optional, extend only) say which recurrent-state
+    snapshots the KDA layers take along the way (see :class:`SnapshotSpec`).
 
     A batch of two requests padded to ``B = 3`` rows and ``T = 6`` tokens: row 1 is new (3
     tokens in slots 1-3), row 2 has 2 tokens cached (slots 4, 5) and decodes one (slot 6):
@@ -130,6 +156,8 @@ class ForwardBatch:
     kv_width: int
     max_extend_len: int
     forward_mode: ForwardMode = ForwardMode.EXTEND
+    snapshot_pool: RecurrentStatePool | None = None
+    snapshot_spec: SnapshotSpec | None = None
 
     @property
     def prefix_lens(self) -> Int[Array, " B"]:
@@ -186,6 +214,19 @@ def check_forward_batch(batch: ForwardBatch) -> None:
     if batch.req_to_token_pool.num_state_slots > states:
         raise ValueError(f"the request pool hands out {batch.req_to_token_pool.num_state_slots} "
                          f"state slots but the recurrent-state pool has {states}")
+    spec, snaps = batch.snapshot_spec, batch.snapshot_pool
+    if spec is not None:
+        if snaps is None:
+            raise ValueError("ForwardBatch.snapshot_spec needs a snapshot_pool to write into")
+        if batch.forward_mode == ForwardMode.DECODE and spec.num_snapshots:
+            raise ValueError("a DECODE batch takes no snapshots (snapshot_spec must be empty)")
+        for name in ("batch_index", "lens"):
+            if getattr(spec, name).shape != spec.slots.shape:
+                raise ValueError(f"SnapshotSpec.{name} has shape {getattr(spec, name).shape}, "
+                                 f"expected {spec.slots.shape}")
+    if snaps is not None and snaps.layer_ids != batch.recurrent_state_pool.layer_ids:
+        raise ValueError(f"the snapshot pool has layers {snaps.layer_ids}, the recurrent-state "
+                         f"pool {batch.recurrent_state_pool.layer_ids}")
     arrays = (batch.seq_lens, batch.extend_seq_lens)
     if any(isinstance(x, jax.core.Tracer) for x in arrays):
         return
@@ -259,6 +300,9 @@ class LinearAttnMetadata:
     cu_seqlens: Int[Array, " Bp2"]
     state_indices: Int[Array, " B"]
     has_initial_state: Bool[Array, " B"]
+    snapshot_seqs: Int[Array, " M"] | None = None  # batch request of each snapshot
+    snapshot_offsets: Int[Array, " M"] | None = None  # its depth within this extend (1..ext)
+    snapshot_slots: Int[Array, " M"] | None = None  # where it goes in the snapshot pool
 
 
 @pytree_dataclass()
@@ -561,12 +605,24 @@ class KDAAttnBackend:
                              f"{batch.recurrent_state_pool.num_slots} slots")
         T = batch.num_tokens
         qs = _query_start(batch.extend_seq_lens)
+        snaps = {}
+        spec = batch.snapshot_spec
+        if spec is not None and spec.num_snapshots:
+            b = spec.batch_index.astype(jnp.int32)
+            used = spec.slots > 0
+            snaps = dict(
+                snapshot_seqs=jnp.where(used, b, 0),
+                snapshot_offsets=jnp.where(used, spec.lens - batch.prefix_lens[b], 0).astype(
+                    jnp.int32),
+                snapshot_slots=jnp.where(used, spec.slots, 0).astype(jnp.int32),
+            )
         return LinearAttnMetadata(
             cu_seqlens=jnp.concatenate([qs, jnp.full((1,), T, jnp.int32)]),
             state_indices=get_linear_recurrent_indices(
                 batch.req_to_token_pool, batch.req_pool_indices
             ).astype(jnp.int32),
             has_initial_state=batch.prefix_lens > 0,
+            **snaps,
         )
 
     def with_forward_metadata(self, md: LinearAttnMetadata) -> KDAAttnBackend:
@@ -636,12 +692,54 @@ class KDAAttnBackend:
         conv0, ssm0 = _initial_states(pool, layer_id, idx, has, mixed.dtype)
         y, conv1 = short_conv(mixed[None], weight, conv0, cu_seqlens=md.cu_seqlens)
         qh, kh, vh = self._split_heads(y[0], T)
-        o, ssm1 = kda_chunked(
+        snapshots = md.snapshot_slots is not None
+        o, ssm1, *cs = kda_chunked(
             qh[None], kh[None], vh[None], g[None], beta[None], initial_state=ssm0,
             chunk_size=self.chunk_size, cu_seqlens=md.cu_seqlens,
+            return_chunk_states=snapshots,
         )
         pool = set_states(pool, layer_id, idx, conv1, ssm1)
+        if snapshots:
+            conv_s, ssm_s = self._snapshot_states(md, cs[0], mixed, conv0, ssm0, ssm1,
+                                                  (qh, kh, vh, g, beta))
+            snap_pool = set_states(batch.snapshot_pool, layer_id, md.snapshot_slots, conv_s,
+                                   ssm_s)
+            batch = batch.replace(snapshot_pool=snap_pool)
         return o[0].astype(v.dtype), batch.replace(recurrent_state_pool=pool)
+
+    def _snapshot_states(self, md, cs, mixed, conv0, ssm0, ssm1, inputs):
+        """Conv and recurrent states of each snapshot: request ``b`` after ``off`` tokens of
+        this extend. The recurrent state is exact where it is a chunk state of
+        ``kda_chunked`` (``off`` a multiple of the chunk) or the final state (``off`` = the
+        whole extend); in between it continues from the chunk state at or before ``off`` over
+        the remaining ``< C`` tokens with one more ``kda_chunked`` chunk (the same math in
+        another order: equal to rounding). The conv state is the last ``K - 1`` inputs before
+        ``off``, read from the layer's inputs or the initial conv state."""
+        b, off = md.snapshot_seqs, md.snapshot_offsets
+        C, K, T = self.chunk_size, self.conv_kernel, mixed.shape[0]
+        start = md.cu_seqlens[b]
+        ext = md.cu_seqlens[b + 1] - start
+        c = (off // C) * C  # the chunk boundary at or before each snapshot
+        match = (cs.seq_ids[0][None, :] == b[:, None]) & (cs.num_tokens[0][None, :] == c[:, None])
+        at_c = jnp.where((match.any(1) & (c > 0))[:, None, None, None],
+                         cs.states[0][jnp.argmax(match, axis=1)], ssm0[b])
+        i = jnp.arange(C, dtype=jnp.int32)
+        valid = i[None, :] < (off - c)[:, None]  # [M, C]: the tokens after the boundary
+        tok = jnp.clip(start[:, None] + c[:, None] + i[None, :], 0, T - 1)
+
+        def window(x):  # [T, ...] -> [M, C, ...], neutral (zero) where not valid
+            w = x[tok]
+            return jnp.where(valid.reshape(valid.shape + (1,) * (w.ndim - 2)), w, 0)
+
+        qw, kw, vw, gw, bw = (window(x.astype(jnp.float32)) for x in inputs)
+        _, cont = kda_chunked(qw, kw, vw, gw, bw, initial_state=at_c, chunk_size=C)
+        ssm = jnp.where((off == c)[:, None, None, None], at_c, cont)
+        ssm = jnp.where((off == ext)[:, None, None, None], ssm1[b], ssm)
+        pos = off[:, None] - (K - 1) + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [M, K-1]
+        from_x = mixed[jnp.clip(start[:, None] + pos, 0, T - 1)]
+        from_state = conv0[b[:, None], jnp.clip(K - 1 + pos, 0, K - 2)]
+        conv = jnp.where((pos >= 0)[..., None], from_x, from_state.astype(mixed.dtype))
+        return conv, ssm
 
     @no_type_check
     def forward_decode(

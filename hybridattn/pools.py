@@ -63,6 +63,7 @@ __all__ = [
     "alloc_reqs",
     "alloc_reqs_or_raise",
     "copy_states",
+    "copy_states_to",
     "free",
     "free_reqs",
     "get_linear_recurrent_indices",
@@ -780,4 +781,37 @@ def copy_states(
     return pool.replace(
         conv=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.conv),
         ssm=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.ssm),
+    )
+
+
+def copy_states_to(
+    src: RecurrentStatePool,
+    src_idx: Int[Array, " B"],
+    dst: RecurrentStatePool,
+    dst_idx: Int[Array, " B"],
+) -> RecurrentStatePool:
+    """Copy every layer's states from slots ``src_idx`` of ``src`` into slots ``dst_idx`` of
+    ``dst``, another pool of the same layers and per-slot shapes (a snapshot pool and the
+    working pool, either way round); returns the new ``dst``. A ``dst`` index of 0 lands in
+    ``dst``'s sink. The recurrent state keeps float32 and the conv state ``dst``'s dtype, so a
+    snapshot is exactly the state it copies when both pools share a dtype.
+
+    >>> work = RecurrentStatePool.create((0,), 3, conv_dim=6, conv_kernel=4, num_heads=2,
+    ...                                  head_k_dim=4, head_v_dim=4)
+    >>> snaps = RecurrentStatePool.create((0,), 5, conv_dim=6, conv_kernel=4, num_heads=2,
+    ...                                   head_k_dim=4, head_v_dim=4)
+    >>> work = set_states(work, 0, jnp.array([2]), jnp.ones((1, 3, 6)), jnp.ones((1, 2, 4, 4)))
+    >>> snaps = copy_states_to(work, jnp.array([2]), snaps, jnp.array([4]))  # take a snapshot
+    >>> snaps.ssm[0][:, 0, 0, 0].tolist()
+    [0.0, 0.0, 0.0, 0.0, 1.0]
+    """
+    if src.layer_ids != dst.layer_ids or any(
+            a.shape[1:] != b.shape[1:] for a, b in zip(jax.tree.leaves(src),
+                                                        jax.tree.leaves(dst), strict=True)):
+        raise ValueError(f"copy_states_to needs pools of the same layers and per-slot shapes, "
+                         f"got layers {src.layer_ids} and {dst.layer_ids}")
+    return dst.replace(
+        conv=tuple(d.at[dst_idx].set(s[src_idx].astype(d.dtype))
+                   for s, d in zip(src.conv, dst.conv, strict=True)),
+        ssm=tuple(d.at[dst_idx].set(s[src_idx]) for s, d in zip(src.ssm, dst.ssm, strict=True)),
     )

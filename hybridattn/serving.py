@@ -45,6 +45,7 @@ from hybridattn.backend import (
     ForwardMode,
     HybridLinearAttnBackend,
     MLAAttnBackend,
+    SnapshotSpec,
     attn_backend_wrapper,
 )
 from hybridattn.config import KimiLinearConfig
@@ -55,6 +56,7 @@ from hybridattn.pools import (
     RecurrentStatePool,
     SlotAllocator,
     alloc,
+    copy_states_to,
     free,
     free_reqs,
     write_token_slots,
@@ -103,6 +105,7 @@ class ServingState:
     backend: HybridLinearAttnBackend | MLAAttnBackend
     rng: Key[Array, ""]
     config: KimiLinearConfig
+    snapshot_pool: RecurrentStatePool | None = None
 
     @classmethod
     def create(
@@ -115,12 +118,16 @@ class ServingState:
         dtype=jnp.float32,
         chunk_size: int = 32,
         seed: int = 0,
+        num_snapshot_slots: int = 0,
     ) -> ServingState:
         """Empty pools for ``max_running_requests`` requests of up to ``max_context_len``
         tokens sharing ``num_token_slots`` MLA token slots (slot 0, the sink, included).
         ``dtype`` is the MLA latent and conv-state dtype (KDA states are always float32);
-        ``chunk_size`` is the KDA prefill chunk; ``seed`` makes the base sampling key.
-        Raises ``ValueError`` for a config that is not hybrid (KDA and MLA layers both)."""
+        ``chunk_size`` is the KDA prefill chunk; ``seed`` makes the base sampling key;
+        ``num_snapshot_slots`` (the sink included; 0: none) sizes the ``snapshot_pool``, a
+        ``RecurrentStatePool`` of the same layout whose slots a prefix cache fills with exact
+        copies of request states (``step`` takes and restores them). Raises ``ValueError``
+        for a config that is not hybrid (KDA and MLA layers both)."""
         kimi_linear._check_supported(config)
         if not config.kda_layer_ids or not config.full_attention_layer_ids:
             raise ValueError(
@@ -136,6 +143,12 @@ class ServingState:
             config.kda_layer_ids, req.num_state_slots, 3 * H * Dk, config.linear_conv_kernel_dim,
             H, Dk, Dk, dtype=dtype,
         )
+        snapshots = None
+        if num_snapshot_slots:
+            check_int("num_snapshot_slots", num_snapshot_slots, 2)
+            snapshots = RecurrentStatePool.create(
+                config.kda_layer_ids, num_snapshot_slots, 3 * H * Dk,
+                config.linear_conv_kernel_dim, H, Dk, Dk, dtype=dtype)
         backend = attn_backend_wrapper(
             config, MLAAttnBackend.from_config(config, num_token_slots),
             num_state_slots=req.num_state_slots, chunk_size=chunk_size,
@@ -148,6 +161,7 @@ class ServingState:
             backend=backend,
             rng=jax.random.key(seed),
             config=config,
+            snapshot_pool=snapshots,
         )
 
     @property
@@ -175,6 +189,11 @@ class ModelWorkerBatch:
     ``seq_lens``) and ``max_extend_len`` (>= every ``extend_seq_lens``). The static fields
     and the array shapes are the step's shape bucket: ``jax.jit(step)`` compiles once per
     bucket. Build one with ``make_worker_batch``.
+
+    With a snapshot pool (a prefix cache), an ``EXTEND`` batch may also carry
+    ``restore_from`` (per request, a snapshot slot copied into the request's working state
+    before the forward; 0: none) and ``snapshots`` (``SnapshotSpec``: states to copy into
+    snapshot slots at given depths along the extend).
 
     A mixed batch padded to ``B = 3`` requests and ``T = 8`` tokens: row 1 prefills a 3-token
     prompt while row 2, with 4 tokens in the pools, decodes one more:
@@ -213,6 +232,8 @@ class ModelWorkerBatch:
     kv_width: int
     max_extend_len: int
     forward_mode: ForwardMode = ForwardMode.EXTEND
+    restore_from: Int[Array, " B"] | None = None
+    snapshots: SnapshotSpec | None = None
 
     @property
     def batch_size(self) -> int:
@@ -235,6 +256,8 @@ class ModelWorkerBatch:
             extend_seq_lens=live.astype(jnp.int32),
             forward_mode=ForwardMode.DECODE,
             max_extend_len=1,
+            restore_from=None,
+            snapshots=None,
         )
 
 
@@ -242,16 +265,24 @@ class WorkItem(NamedTuple):
     """One request's share of a step: row ``req_index`` with ``prefix_len`` tokens already in
     the pools runs ``token_ids`` now (a prompt, a prompt chunk, or one token to decode).
 
+    With a prefix cache: ``restore_from`` is a snapshot slot whose states the request starts
+    from (its first chunk after a cache hit at depth ``prefix_len``), and ``snapshots`` lists
+    ``(depth, snapshot slot)`` pairs: copy the request's states after its first ``depth``
+    tokens (``prefix_len < depth <= prefix_len + len(token_ids)``) into that slot.
+
     >>> prefill = WorkItem(req_index=1, prefix_len=0, token_ids=[5, 6, 7])
     >>> decode = WorkItem(2, 4, [9], SamplingParams(temperature=0.7, seed=3))
     >>> decode.prefix_len + len(decode.token_ids)  # the request's length after the step
     5
+    >>> hit = WorkItem(3, 64, [7, 8], restore_from=2, snapshots=((65, 5),))
     """
 
     req_index: int
     prefix_len: int
     token_ids: Sequence[int]
     sampling: SamplingParams = SamplingParams()
+    restore_from: int = 0
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 def make_worker_batch(
@@ -265,6 +296,7 @@ def make_worker_batch(
     kv_width: int | None = None,
     max_extend_len: int | None = None,
     state: ServingState | None = None,
+    num_snapshots: int | None = None,
 ) -> ModelWorkerBatch:
     """Host side: pack ``items`` into a ``ModelWorkerBatch`` padded to ``num_requests``
     rows and ``num_tokens`` tokens (defaults: exactly what the items need; ``kv_width`` and
@@ -276,7 +308,9 @@ def make_worker_batch(
     batch, sampling that is not a ``SamplingParams``, or a batch that does not fit its
     buckets. Given the ``state`` the batch will run on, it also checks what ``step`` checks
     against the pools (each row allocated, ``prefix_len`` equal to the row's recorded length),
-    at the cost of reading two small arrays from the device.
+    at the cost of reading two small arrays from the device. ``num_snapshots`` (``M``, a shape
+    bucket) makes an ``EXTEND`` batch carry ``restore_from`` and ``M`` snapshot entries (the
+    items' ``snapshots``, padded); None: only when an item asks for them.
 
     >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])],
     ...                           vocab_size=64, max_context_len=16)
@@ -322,6 +356,14 @@ def make_worker_batch(
             if lens[row] != prefix:
                 raise ValueError(f"{where}: prefix_len={prefix} but the row records "
                                  f"{int(lens[row])} tokens (a stale or repeated batch?)")
+        check_int(f"{where}: restore_from", it.restore_from, 0)
+        if it.restore_from and prefix == 0:
+            raise ValueError(f"{where}: restore_from={it.restore_from} needs a prefix to restore")
+        for depth, slot in it.snapshots:
+            if not prefix < check_int(f"{where}: snapshot depth", depth, 1) <= prefix + len(ids):
+                raise ValueError(f"{where}: snapshot depth {depth} is outside this step's tokens "
+                                 f"({prefix}, {prefix + len(ids)}]")
+            check_int(f"{where}: snapshot slot", slot, 1)
         tokens.append(ids)
     lens = np.array([len(t) for t in tokens], np.int32)
     seq = lens + np.array([it.prefix_len for it in items], np.int32)
@@ -346,6 +388,19 @@ def make_worker_batch(
         return jnp.asarray(out)
 
     sp = [it.sampling for it in items]
+    snaps = [(n, d, sl) for n, it in enumerate(items) for d, sl in it.snapshots]
+    extras = {}
+    if num_snapshots is None and (snaps or any(it.restore_from for it in items)):
+        num_snapshots = len(snaps)
+    if num_snapshots is not None:
+        if forward_mode == ForwardMode.DECODE:
+            raise ValueError("a DECODE batch restores and snapshots nothing")
+        M = check_int("num_snapshots", num_snapshots, len(snaps))
+        cols = list(zip(*snaps, strict=True)) if snaps else [[], [], []]
+        extras = dict(
+            restore_from=pad([it.restore_from for it in items], B),
+            snapshots=SnapshotSpec(batch_index=pad(cols[0], M), lens=pad(cols[1], M),
+                                   slots=pad(cols[2], M)))
     return ModelWorkerBatch(
         input_ids=pad(np.concatenate(tokens), T),
         req_pool_indices=pad([it.req_index for it in items], B),
@@ -358,6 +413,7 @@ def make_worker_batch(
         kv_width=W,
         max_extend_len=Q,
         forward_mode=forward_mode,
+        **extras,
     )
 
 
@@ -507,9 +563,25 @@ def _batch_fits(state: ServingState, batch: ModelWorkerBatch, vocab_size: int):
     b, _, live, _ = _token_layout(batch)
     ids = batch.input_ids
     ids_ok = jnp.all(jnp.where(live, (ids >= 0) & (ids < vocab_size), True))
-    return (jnp.all(jnp.where(active, each & ~repeated, True)) & jnp.all(ext >= 0)
+    fits = (jnp.all(jnp.where(active, each & ~repeated, True)) & jnp.all(ext >= 0)
             & jnp.all(rows >= 0) & jnp.all(seq >= 0) & (jnp.sum(ext) <= batch.num_tokens)
             & ids_ok)
+    snaps = state.snapshot_pool
+    S = snaps.num_slots if snaps is not None else 1
+    prefix = seq - ext
+    if batch.restore_from is not None:  # a snapshot slot, restored only under a prefix
+        r = batch.restore_from
+        fits &= jnp.all((r >= 0) & (r < S) & ((r == 0) | (active & (prefix > 0))))
+    if batch.snapshots is not None:  # depths inside a live request's new tokens, slots apart
+        sb, sl, ss = batch.snapshots.batch_index, batch.snapshots.lens, batch.snapshots.slots
+        used = ss != 0
+        B = rows.shape[0]
+        bb = jnp.clip(sb, 0, B - 1)
+        good = ((sb >= 0) & (sb < B) & active[bb] & (sl > prefix[bb]) & (sl <= seq[bb])
+                & (ss > 0) & (ss < S))
+        clash = jnp.sum((ss[:, None] == ss[None, :]) & used[None, :], axis=1) > 1
+        fits &= jnp.all(jnp.where(used, good & ~clash, True))
+    return fits
 
 
 def step(
@@ -571,18 +643,36 @@ def step(
     cfg = state.config
     T = batch.num_tokens
     ext = batch.extend_seq_lens
-    n_new = jnp.sum(ext)
+    pool = state.req_to_token_pool
+    num_rows = pool.req_to_token.shape[0]
+    snaps = state.snapshot_pool
+    if snaps is None and (batch.restore_from is not None or batch.snapshots is not None):
+        raise ValueError("the batch restores or takes snapshots but the state has no "
+                         "snapshot_pool (ServingState.create(..., num_snapshot_slots=...))")
+    b, pos, live, last = _token_layout(batch)
+    # Positions below a row's borrowed length already hold a prefix cache's slots: tokens
+    # recomputed there (from a snapshot shallower than the cached KV) write to the sink.
+    borrowed = pool.borrowed[jnp.clip(batch.req_pool_indices, 0, num_rows - 1)]
+    fresh = live & (pos >= borrowed[b])
     fits = _batch_fits(state, batch, cfg.vocab_size)
-    allocator, slots, ok = alloc(state.token_allocator, jnp.where(fits, n_new, -1), max_count=T)
+    allocator, packed, ok = alloc(state.token_allocator, jnp.where(fits, jnp.sum(fresh), -1),
+                                  max_count=T)
     # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
     # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
-    req_rows = jnp.where(ok & (ext > 0), batch.req_pool_indices, 0)
-    b, pos, live, last = _token_layout(batch)
-    live = live & ok
-    if batch.forward_mode == ForwardMode.DECODE:  # slots come packed: spread them to the rows
-        slots = jnp.where(live, slots[jnp.clip(jnp.cumsum(live) - 1, 0, T - 1)], 0)
-    req_pool = write_token_slots(state.req_to_token_pool, jnp.where(live, req_rows[b], 0), pos,
-                                 slots, live)
+    go = ok & (ext > 0)
+    req_rows = jnp.where(go, batch.req_pool_indices, 0)
+    live, fresh = live & ok, fresh & ok
+    slots = jnp.where(fresh, packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)], 0)
+    req_pool = write_token_slots(pool, jnp.where(fresh, req_rows[b], 0), pos, slots, fresh)
+    req_pool = req_pool.replace(req_lens=req_pool.req_lens.at[
+        jnp.where(req_rows > 0, req_rows, num_rows)].set(batch.seq_lens, mode="drop"))
+    states, spec = state.recurrent_state_pool, None
+    if batch.restore_from is not None:  # copy-on-write: the snapshot is only read
+        src = jnp.where(go, batch.restore_from, 0)
+        dst = jnp.where(src > 0, pool.req_to_state[req_rows], 0)
+        states = copy_states_to(snaps, src, states, dst)
+    if batch.snapshots is not None:
+        spec = batch.snapshots.replace(slots=jnp.where(ok, batch.snapshots.slots, 0))
     fb = ForwardBatch(
         input_ids=batch.input_ids,
         req_pool_indices=req_rows,
@@ -591,22 +681,25 @@ def step(
         out_cache_loc=slots,
         req_to_token_pool=req_pool,
         token_to_kv_pool=state.token_to_kv_pool,
-        recurrent_state_pool=state.recurrent_state_pool,
+        recurrent_state_pool=states,
         kv_width=batch.kv_width,
         max_extend_len=batch.max_extend_len,
         forward_mode=batch.forward_mode,
+        snapshot_pool=snaps,
+        snapshot_spec=spec,
     )
     backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
     hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
     logits = kimi_linear.compute_logits(params, cfg, hidden[last])
     keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
     tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
-    tokens = jnp.where(ok & (ext > 0), tokens, 0)
+    tokens = jnp.where(go, tokens, 0)
     new = state.replace(
         req_to_token_pool=fb.req_to_token_pool,
         token_allocator=allocator,
         token_to_kv_pool=fb.token_to_kv_pool,
         recurrent_state_pool=fb.recurrent_state_pool,
+        snapshot_pool=fb.snapshot_pool,
     )
     return new, StepOutput(tokens, logits, ok)
 
@@ -649,12 +742,22 @@ def decode_steps(
 
 
 def release(
-    state: ServingState, req_pool_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
+    state: ServingState,
+    req_pool_indices: Int[Array, " B"],
+    mask: Bool[Array, " B"] | None = None,
+    *,
+    keep_from: Int[Array, " B"] | None = None,
+    snapshot_slots: Int[Array, " B"] | None = None,
 ) -> ServingState:
-    """Free finished requests: the token slots their rows own (every slot recorded at a
-    position at or past the row's ``borrowed`` length; borrowed ones belong to a prefix
-    cache), their rows and their recurrent-state slots. Row 0, rows not in use and repeats are
-    ignored, as are rows whose ``mask`` entry is False. Pure; jit it with the state donated.
+    """Free finished requests: the token slots their rows own, their rows and their
+    recurrent-state slots. Row 0, rows not in use and repeats are ignored, as are rows whose
+    ``mask`` entry is False. Pure; jit it with the state donated.
+
+    A row owns the slots recorded at positions from its ``borrowed`` length on (below it they
+    belong to a prefix cache). ``keep_from[b]``: positions from there on were just handed to a
+    prefix cache too, and are not freed either. ``snapshot_slots[b]`` (0: none): first copy
+    the request's final states into that slot of the snapshot pool (a prefix cache's
+    snapshot at the end of the request).
 
     Row 2 holds 3 token slots (written here by hand, as ``step`` would):
 
@@ -666,6 +769,9 @@ def release(
     >>> allocator, slots, ok = alloc(state.token_allocator, 3, max_count=3)
     >>> pool = write_token_slots(pool, jnp.array([2, 2, 2]), jnp.arange(3), slots)
     >>> state = state.replace(req_to_token_pool=pool, token_allocator=allocator)
+    >>> kept = release(state, jnp.array([2]), keep_from=jnp.array([1]))  # 2 slots to a cache
+    >>> kept.token_allocator.num_used
+    2
     >>> state = release(state, jnp.array([2, 0, 2]))  # row 0 and the repeat are ignored
     >>> state.token_allocator.num_used, state.req_to_token_pool.req_to_state.tolist()
     (0, [0, 1, 0])
@@ -681,15 +787,80 @@ def release(
     first = jnp.argmax(same, axis=1) == jnp.arange(B)
     # only rows in use (their state slot is set), each once: releasing twice is a no-op
     keep = cand & first & (pool.req_to_state[rows] > 0)
+    if snapshot_slots is not None:
+        if state.snapshot_pool is None:
+            raise ValueError("release(snapshot_slots=...) needs a state with a snapshot_pool")
+        dst = jnp.where(keep & (snapshot_slots > 0) & (snapshot_slots
+                                                       < state.snapshot_pool.num_slots),
+                        snapshot_slots, 0)
+        state = state.replace(snapshot_pool=copy_states_to(
+            state.recurrent_state_pool, jnp.where(dst > 0, pool.req_to_state[rows], 0),
+            state.snapshot_pool, dst))
     slots = pool.req_to_token[rows]  # [B, L]; unused positions hold 0, which free ignores
-    owned = keep[:, None] & (jnp.arange(slots.shape[1])[None, :] >= pool.borrowed[rows][:, None])
+    p = jnp.arange(slots.shape[1])[None, :]
+    owned = keep[:, None] & (p >= pool.borrowed[rows][:, None])
+    if keep_from is not None:
+        owned &= p < keep_from[:, None]
     allocator = free(state.token_allocator, slots.reshape(-1), owned.reshape(-1))
     return state.replace(token_allocator=allocator,
                          req_to_token_pool=free_reqs(pool, req_pool_indices, keep))
 
 
+def borrow_prefix(
+    state: ServingState,
+    req_pool_indices: Int[Array, " B"],
+    lens: Int[Array, " B"],
+    slots: Int[Array, "B W"],
+    computed: Int[Array, " B"] | None = None,
+) -> ServingState:
+    """Point the first ``lens[b]`` positions of row ``req_pool_indices[b]`` at a prefix
+    cache's token slots ``slots[b, :lens[b]]`` (``lens <= W``): the row borrows them from now
+    on (its ``borrowed`` length becomes ``lens[b]``; ``release`` never frees them), and the
+    row's own slots there that the cache replaces are freed. ``computed[b]``, when given, is
+    how many tokens of the request the pools now hold (its state depth: a request admitted on
+    a cache hit restores a snapshot of that depth). Row 0 and rows not in use are ignored.
+    The host calls it on admission (a hit: the row borrows the matched KV, no copy) and when
+    the cache adopts a prefilled prompt.
+
+    Row 1 borrows three cached slots, of which it has computed two:
+
+    >>> from hybridattn.pools import alloc_reqs_or_raise
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=8,
+    ...                             num_token_slots=17)
+    >>> pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, 1)
+    >>> state = borrow_prefix(state.replace(req_to_token_pool=pool), jnp.array([1]),
+    ...                       jnp.array([3]), jnp.array([[9, 4, 7, 0]]), computed=jnp.array([2]))
+    >>> p = state.req_to_token_pool
+    >>> p.req_to_token[1].tolist(), int(p.borrowed[1]), int(p.req_lens[1])
+    ([9, 4, 7, 0, 0, 0, 0, 0], 3, 2)
+    """
+    pool = state.req_to_token_pool
+    num_rows, L = pool.req_to_token.shape
+    W = slots.shape[1]
+    if W > L:
+        raise ValueError(f"slots has width {W}, more than max_context_len={L}")
+    rows = jnp.clip(req_pool_indices, 0, num_rows - 1)
+    valid = (req_pool_indices > 0) & (req_pool_indices < num_rows) & (pool.req_to_state[rows] > 0)
+    p = jnp.arange(W)[None, :]
+    cur = pool.req_to_token[rows, :W]
+    inside = valid[:, None] & (p < lens[:, None])
+    replaced = inside & (p >= pool.borrowed[rows][:, None]) & (cur > 0) & (cur != slots)
+    allocator = free(state.token_allocator, cur.reshape(-1), replaced.reshape(-1))
+    dest = jnp.where(valid, req_pool_indices, num_rows)
+    table = pool.req_to_token.at[dest[:, None], p].set(
+        jnp.where(inside, slots, cur).astype(jnp.int32), mode="drop")
+    new_pool = pool.replace(req_to_token=table,
+                            borrowed=pool.borrowed.at[dest].set(lens, mode="drop"))
+    if computed is not None:
+        new_pool = new_pool.replace(req_lens=new_pool.req_lens.at[dest].set(computed,
+                                                                          mode="drop"))
+    return state.replace(token_allocator=allocator, req_to_token_pool=new_pool)
+
+
 __all__ = [
     "ModelWorkerBatch",
+    "borrow_prefix",
     "SamplingParams",
     "ServingState",
     "StepOutput",
