@@ -34,6 +34,7 @@ __all__ = [
     "check_real",
     "eos_token_ids",
     "is_int",
+    "plain_ints",
     "prompt_list",
     "stop_ids",
     "token_ids",
@@ -50,6 +51,22 @@ def is_int(value: Any) -> bool:
     (True, True, False, False)
     """
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def plain_ints(values: Any, hi: int) -> bool:
+    """True when ``values`` is a list or tuple of Python ints (``type(x) is int``: no bool,
+    no NumPy scalar) in ``[0, hi)``: the common case of the checks below, at C speed (about
+    30 us for 500 tokens, against 0.4 us an element for the general check). Anything else
+    takes the general check, which also writes the error.
+
+    >>> plain_ints([1, 2], 4), plain_ints([1, True], 4), plain_ints((5,), 4)
+    (True, False, False)
+    """
+    if type(values) is not list and type(values) is not tuple:
+        return False
+    if not values:
+        return True
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < hi
 
 
 def check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
@@ -93,6 +110,8 @@ def token_ids(name: str, ids: Any, vocab_size: int, *, allow_empty: bool = False
     ...
     ValueError: prompt 1: token 0 is [1, 2] (list), not an int
     """
+    if plain_ints(ids, vocab_size) and (ids or allow_empty):
+        return list(ids)
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray) and not hasattr(
             ids, "tolist"):
         raise ValueError(f"{name} must be a list of token ids, got {_short(ids)}")
