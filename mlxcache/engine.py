@@ -79,6 +79,7 @@ from mlxcache.pool import (
 )
 from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
+from servecore.stats import ServingStats
 
 __all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
 
@@ -97,53 +98,25 @@ class ReuseDisabledWarning(UserWarning):
 
 
 @dataclass
-class EngineStats:
-    """Counters over an engine's life (see ``Engine.stats``).
+class EngineStats(ServingStats):
+    """Counters over an engine's life (see ``Engine.stats``): ``servecore.ServingStats``, the
+    names and rates both engines share.
 
-    ``cached_tokens`` are prompt tokens served from the radix tree; ``prefill_tokens_computed``
-    the ones run through the model (``prompt_tokens == cached + computed``). ``evictions``
-    counts evicted tokens. ``prefill_tokens_per_s`` is *effective*: all prompt tokens (cached
-    ones included) over prefill time. ``ttft`` is the mean time to first token in seconds,
-    measured from the ``generate``/``stream`` call.
+    Here ``cached_tokens`` are prompt tokens served from the radix tree and ``prefill_tokens``
+    the ones run through the model (``prompt_tokens == cached_tokens + prefill_tokens``);
+    ``token_evictions`` counts tokens the tree evicted to make room (``reset_cache`` is not
+    counted); ``ttft`` holds each request's seconds from its ``generate`` / ``stream`` call to
+    its first token. ``effective_prefill_tok_s`` counts cached prompt tokens too;
+    ``prefill_tok_s`` only the computed ones.
 
     Examples:
         >>> stats = EngineStats(requests=2, prompt_tokens=40, cached_tokens=30,
-        ...                     prefill_tokens_computed=10, prefill_time_s=0.5)
-        >>> stats.hit_rate, stats.prefill_tokens_per_s
-        (0.75, 80.0)
-        >>> EngineStats().hit_rate          # no requests yet: rates are 0, not an error
-        0.0
+        ...                     prefill_tokens=10, prefill_seconds=0.5, ttft=[0.2, 0.4])
+        >>> stats.hit_rate, stats.prefill_tok_s, stats.effective_prefill_tok_s
+        (0.75, 20.0, 80.0)
+        >>> round(stats.mean_ttft, 6), EngineStats().hit_rate   # nothing yet: 0, not an error
+        (0.3, 0.0)
     """
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    evictions: int = 0
-    decode_tokens: int = 0
-    prefill_time_s: float = 0.0
-    decode_time_s: float = 0.0
-    ttft_total_s: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of prompt tokens served from the radix tree (0.0 before any request)."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Effective prefill throughput: all prompt tokens, cached ones included, per second."""
-        return self.prompt_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens after each request's first, per second of decode steps."""
-        return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
-
-    @property
-    def ttft(self) -> float:
-        """Mean time to first token in seconds, from the ``generate``/``stream`` call."""
-        return self.ttft_total_s / self.requests if self.requests else 0.0
 
 
 @dataclass(eq=False)
@@ -603,7 +576,7 @@ class Engine:
             freed = self._tree.evict(n - self._alloc.num_free)
             if freed:
                 self._alloc = free(self._alloc, freed)
-                self.stats.evictions += len(freed)
+                self.stats.token_evictions += len(freed)
             a, slots, ok = alloc(self._alloc, n)
             if not ok:
                 return None
@@ -693,9 +666,9 @@ class Engine:
         s.requests += len(reqs)
         s.prompt_tokens += sum(len(r.tokens) for r in reqs)
         s.cached_tokens += sum(r.cached for r in reqs)
-        s.prefill_tokens_computed += sum(map(len, todo))
-        s.prefill_time_s += toc - tic
-        s.ttft_total_s += sum(toc - r.arrival for r in reqs)
+        s.prefill_tokens += sum(map(len, todo))
+        s.prefill_seconds += toc - tic
+        s.ttft.extend(toc - r.arrival for r in reqs)
         return caches
 
     def _publish_prompts(self, reqs: list[_Request], caches: list[RaggedKVCache]) -> None:
@@ -760,7 +733,7 @@ class Engine:
         group.unread = [True] * len(group.reqs)
         mx.async_eval(group.feed)
         fed = feed.tolist()
-        self.stats.decode_time_s += time.perf_counter() - tic
+        self.stats.decode_seconds += time.perf_counter() - tic
         finished = []
         for req, token, new in zip(list(group.reqs), fed, unread, strict=True):
             if new:

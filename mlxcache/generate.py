@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         s = engine.stats
         print(
             f"requests {s.requests}, prompt tokens {s.prompt_tokens} ({s.hit_rate:.0%} cached), "
-            f"prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} "
-            f"tok/s, mean TTFT {s.ttft * 1e3:.1f} ms",
+            f"prefill {s.effective_prefill_tok_s:.1f} tok/s ({s.prefill_tok_s:.1f} computed), "
+            f"decode {s.decode_tok_s:.1f} tok/s, mean TTFT {s.mean_ttft * 1e3:.1f} ms",
             file=sys.stderr,
         )
 

@@ -235,7 +235,7 @@ def test_eviction_under_pressure_keeps_outputs_exact(model):
     prompts = [tokens(rng, 30) for _ in range(5)]
     out = engine.generate(prompts, max_tokens=4)
     assert out == [reference(model, p, 4) for p in prompts]
-    assert engine.stats.evictions > 0
+    assert engine.stats.token_evictions > 0
     assert_intact(engine)
     again = engine.generate(prompts[::-1], max_tokens=4)  # mixes hits with evicted prefixes
     assert again == out[::-1]
@@ -261,9 +261,11 @@ def test_long_prompts_prefill_in_chunks(llama_model):
     prompts = [prefix + tokens(rng, 2), tokens(rng, 3), prefix + tokens(rng, 4), tokens(rng, 2)]
     assert engine.generate(prompts, max_tokens=4) == [reference(llama_model, p, 4) for p in prompts]
     s = engine.stats
-    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens
     assert s.cached_tokens >= len(prefix) and 0 < s.hit_rate < 1
-    assert s.decode_tokens == 3 * len(prompts) and s.ttft > 0 and s.decode_tokens_per_s > 0
+    assert s.decode_tokens == 3 * len(prompts) and s.decode_tok_s > 0
+    assert len(s.ttft) == s.requests == len(prompts) and s.mean_ttft > 0
+    assert s.effective_prefill_tok_s > s.prefill_tok_s > 0
     assert_intact(engine)
 
 
@@ -283,7 +285,7 @@ def test_shared_prefix_workloads_match_mlx_lm(llama_model, prompts, num_slots, p
     out = engine.generate(prompts, max_tokens=3)
     assert out == [cached_reference(llama_model, p, 3) for p in prompts]
     s = engine.stats
-    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed == sum(map(len, prompts))
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens == sum(map(len, prompts))
     assert_intact(engine)
 
 
@@ -302,7 +304,7 @@ def test_each_prompt_reuses_its_longest_cached_prefix(llama_model, prompts, page
         want = min(len(p) - 1, ref_longest_prefix(cached, p, page_size))
         assert engine.stats.cached_tokens - before == want
         cached += [p, p + out[:-1]]  # the last token was never fed back: not cached
-    assert engine.stats.evictions == 0
+    assert engine.stats.token_evictions == 0
     assert_intact(engine)
 
 
