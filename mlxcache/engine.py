@@ -55,7 +55,6 @@ Examples:
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections import deque
@@ -79,6 +78,7 @@ from mlxcache.pool import (
 )
 from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
+from servecore.memory import memory_budget
 from servecore.stats import ServingStats
 
 __all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
@@ -185,19 +185,17 @@ def _vocab_size(model: nn.Module) -> int:
 
 
 def _memory_budget() -> tuple[int, str]:
-    """Bytes the pool may draw from, and where the figure came from."""
+    """Bytes the pool may draw from, and where the figure came from.
+
+    On Apple silicon the pool lives in Metal's working set; elsewhere MLX allocates host
+    memory, so ``servecore.memory_budget`` (``MemAvailable``, capped by any cgroup limit: a
+    container with 4 GiB on a 512 GiB host sizes from 4 GiB).
+    """
     if mx.metal.is_available():
         info = mx.device_info()
         total = int(info.get("max_recommended_working_set_size", info["memory_size"]))
         return max(total - mx.get_active_memory(), 0), "Metal working set"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable"
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+    return memory_budget()
 
 
 def auto_num_slots(
@@ -284,7 +282,8 @@ class Engine:
             prompts; its EOS ids are the default stop tokens.
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
-            ``MemAvailable``), capped at ``MAX_AUTO_SLOTS``.
+            ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
+            capped at ``MAX_AUTO_SLOTS``.
         page_size: radix tree granularity in tokens.
         mem_fraction: share of free memory the automatic pool may take.
         max_batch_size: most requests decoded at once.

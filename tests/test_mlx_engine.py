@@ -534,3 +534,23 @@ def test_pool_is_sized_from_memory_when_not_given(llama_model):
         warnings.simplefilter("error")
         engine = Engine(llama_model, mem_fraction=0.001)
     assert 2 <= engine.num_slots <= 1 << 20
+
+
+def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch, llama_model):
+    """A 64 MiB container on a host with 512 GiB available sizes its pool from the 64 MiB."""
+    import mlxcache.engine as engine_module
+    from servecore import memory
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemAvailable: {512 << 20} kB\n")
+    (proc / "self" / "cgroup").write_text("0::/app\n")
+    (cgroup / "app").mkdir(parents=True)
+    (cgroup / "app" / "memory.max").write_text(str(64 << 20))
+    (cgroup / "app" / "memory.current").write_text("0")
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(engine_module, "memory_budget",
+                        lambda: memory.memory_budget(proc, cgroup))
+    engine = Engine(llama_model, mem_fraction=0.5)
+    per_slot = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 kv heads, head_dim 16, float32
+    assert engine.num_slots == (32 << 20) // per_slot
