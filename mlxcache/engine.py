@@ -64,6 +64,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcache.cache import RaggedKVCache
@@ -80,6 +81,14 @@ from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
 from servecore.memory import memory_budget
 from servecore.stats import ServingStats
+from servecore.validate import (
+    check_int,
+    check_real,
+    eos_token_ids,
+    prompt_list,
+    stop_ids,
+    token_ids,
+)
 
 __all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
 
@@ -264,13 +273,37 @@ def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
     return None
 
 
+def _per_prompt(value: Any) -> bool:
+    """A list, tuple or 1-D NumPy array gives one value per prompt; anything else is shared."""
+    return isinstance(value, list | tuple) or isinstance(value, np.ndarray) and value.ndim == 1
+
+
 def _listify(name: str, value: Any, n: int) -> list[Any]:
     """``value`` for each of ``n`` requests: a scalar is shared, a list must have length n."""
-    if isinstance(value, list | tuple):
+    if _per_prompt(value):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _check_options(num_slots, page_size, mem_fraction, max_batch_size, prefill_step_size,
+                   prefix_cache) -> dict[str, Any]:
+    """The engine's options, checked (a ValueError names the bad one), as plain Python values.
+    The CLI checks its flags with this before it loads a model."""
+    out = dict(
+        num_slots=None if num_slots is None else check_int("num_slots", num_slots, 2),
+        page_size=check_int("page_size", page_size, 1),
+        max_batch_size=check_int("max_batch_size", max_batch_size, 1),
+        prefill_step_size=check_int("prefill_step_size", prefill_step_size, 1),
+        mem_fraction=check_real("mem_fraction", mem_fraction),
+    )
+    if not 0 < out["mem_fraction"] <= 1:
+        raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
+    if not isinstance(prefix_cache, bool | np.bool_):
+        raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
+    out["prefix_cache"] = bool(prefix_cache)
+    return out
 
 
 class Engine:
@@ -315,16 +348,15 @@ class Engine:
         prefix_cache: bool = True,
         prefill_step_size: int = 2048,
     ):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        if not 0 < mem_fraction <= 1:
-            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
-        if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 2):
-            raise ValueError(f"num_slots must be an int >= 2 or None, got {num_slots!r}")
-        if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+        opts = _check_options(num_slots, page_size, mem_fraction, max_batch_size,
+                              prefill_step_size, prefix_cache)
+        num_slots, mem_fraction, prefix_cache = (
+            opts["num_slots"], opts["mem_fraction"], opts["prefix_cache"])
+        page_size, max_batch_size, prefill_step_size = (
+            opts["page_size"], opts["max_batch_size"], opts["prefill_step_size"])
+        # The tokenizer's EOS ids, whichever form it keeps them in (mlx-lm: a set; Hugging
+        # Face: an int, a list or None; transformers 5 may give eos_token_ids as an int).
+        self._eos = eos_token_ids(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.page_size = page_size
@@ -426,10 +458,11 @@ class Engine:
             >>> [len(o) for o in outs]
             [2, 3]
         """
-        out: list[list[int]] = [[] for _ in prompts]
-        for i, token in self.stream(
+        reqs = self._make_requests(
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
-        ):
+        )
+        out: list[list[int]] = [[] for _ in reqs]
+        for i, token in self._serve(reqs):
             out[i].append(token)
         return out
 
@@ -446,15 +479,21 @@ class Engine:
         """Yield ``(prompt_index, token)`` as tokens are produced, all prompts concurrently.
 
         Args:
-            prompts: token id lists, or strings (needs a tokenizer).
+            prompts: a list (or any iterable, read once) of prompts, each a list or 1-D int
+                array of token ids, or a string (needs a tokenizer); one prompt alone is
+                ``[prompt]``.
             max_tokens: >= 1 tokens per request.
             temperature: 0 is greedy.
             top_p: nucleus filter mass (1.0 = off).
             top_k: top-k filter (0 = off).
             seed: per-request reproducible sampling (None: MLX's global generator).
-            stop_token_ids: finish a request on any of these (default: the tokenizer's EOS).
+            stop_token_ids: finish a request on any of these: one id or a list (default: the
+                tokenizer's EOS ids).
 
-        All inputs are checked before any work starts (ValueError naming the bad value).
+        Every sampling argument and ``max_tokens`` is one value for all prompts or a list (or
+        1-D NumPy array) with one per prompt. All inputs are checked before any work starts,
+        for the type and range they have on the device (int32 ids and counts, float32
+        settings): a ValueError names the bad value; nothing is rounded or coerced.
         Stopping the iteration early releases the requests cleanly.
         """
         reqs = self._make_requests(
@@ -470,19 +509,8 @@ class Engine:
                 raise ValueError(f"prompt {i} is text but the engine has no tokenizer")
             bos = getattr(self.tokenizer, "bos_token", None)
             special = bos is None or not prompt.startswith(bos)
-            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=special))
-        else:
-            tokens = list(prompt)
-        if not tokens:
-            raise ValueError(f"prompt {i} is empty")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
-                raise ValueError(f"prompt {i}: token {t!r} is not an int")
-            if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(
-                    f"prompt {i}: token id {int(t)} is out of the vocabulary [0, {self.vocab_size})"
-                )
-        tokens = [int(t) for t in tokens]
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=special)
+        tokens = token_ids(f"prompt {i}", prompt, self.vocab_size)
         if self.reuse and len(tokens) > self.num_slots - 1:
             raise ValueError(
                 f"prompt {i} has {len(tokens)} tokens but the KV pool holds at most "
@@ -493,27 +521,23 @@ class Engine:
     def _make_requests(
         self, prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
     ) -> list[_Request]:
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r:.80}")
+        prompts = prompt_list(prompts)  # read once: a generator is not read twice
         n = len(prompts)
         tokens = [self._encode(i, p) for i, p in enumerate(prompts)]
-        maxes = _listify("max_tokens", max_tokens, n)
-        for i, m in enumerate(maxes):
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_tokens must be an int >= 1, got {m!r} (prompt {i})")
-        params = [
-            SamplingParams(temperature=t, top_p=p, top_k=k, seed=s)
-            for t, p, k, s in zip(
-                _listify("temperature", temperature, n),
-                _listify("top_p", top_p, n),
-                _listify("top_k", top_k, n),
-                _listify("seed", seed, n),
-                strict=True,
-            )
+        maxes = [
+            check_int("max_tokens" if not _per_prompt(max_tokens) else f"max_tokens[{i}]", m, 1)
+            for i, m in enumerate(_listify("max_tokens", max_tokens, n))
         ]
-        if stop_token_ids is None:
-            stop_token_ids = getattr(self.tokenizer, "eos_token_ids", None) or ()
-        stop = frozenset(int(t) for t in stop_token_ids)
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        columns = {name: _listify(name, value, n) for name, value in given.items()}
+        params = []
+        for i in range(n):
+            try:
+                params.append(SamplingParams(**{name: col[i] for name, col in columns.items()}))
+            except ValueError as e:
+                where = f"prompt {i}: " if any(map(_per_prompt, given.values())) else ""
+                raise ValueError(f"{where}{e}") from None
+        stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, self.vocab_size)
         now = time.perf_counter()
         return [
             _Request(

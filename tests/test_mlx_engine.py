@@ -438,14 +438,24 @@ def test_stop_tokens_end_a_request(llama_model):
     "prompts, kwargs, match",
     [
         ([[]], {}, "prompt 0 is empty"),
-        ([[1, 2], [3, VOCAB]], {}, f"token id {VOCAB} is out of the vocabulary"),
-        ([[1, -1]], {}, "token id -1"),
-        ([[1, 2]], {"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
+        ([[1, 2], [3, VOCAB]], {}, f"prompt 1: token 1 is {VOCAB}, outside the vocabulary"),
+        ([[1, -1]], {}, "token 1 is -1"),
+        ([[1, 2]], {"max_tokens": 0}, r"max_tokens=0 must be an int in \[1, "),
+        ([[1, 2], [3]], {"max_tokens": [2, 2.0]}, r"max_tokens\[1\]=2.0 must be an int"),
         ([[1, 2]], {"temperature": -1.0}, r"temperature=-1.0 must be >= 0"),
         ([[1, 2]], {"top_p": 0.0}, r"top_p=0.0 must be in"),
+        ([[1, 2], [3]], {"top_k": [0, 2**63]}, "prompt 1: top_k=9223372036854775808"),
+        ([[1, 2]], {"seed": -1}, r"seed=-1 must be an int in \[0, 2147483647\]"),
+        ([[1, 2]], {"temperature": None}, "temperature=None must be a number"),
+        ([[1, 2]], {"stop_token_ids": "2"}, "stop_token_ids must be a list of token ids"),
+        ([[1, 2]], {"stop_token_ids": [VOCAB]}, f"token 0 is {VOCAB}, outside the vocabulary"),
+        ([[1, 2]], {"temperature": [0.0, 0.5]}, "temperature has 2 entries for 1 prompts"),
         ([list(range(1, 40))], {}, "39 tokens but the KV pool holds at most 31"),
         (["some text"], {}, "no tokenizer"),
-        ([[1.5]], {}, "is not an int"),
+        ([[1.5]], {}, r"token 0 is 1.5 \(float\), not an int"),
+        ([1, 2, 3], {}, "flat list of token ids .* wrap one prompt in a list"),
+        (None, {}, "prompts must be a non-empty list of prompts, got None"),
+        ([], {}, "got an empty one"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
@@ -465,13 +475,17 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"page_size": 0}, "page_size must be an int >= 1, got 0"),
-        ({"num_slots": 1}, "num_slots must be an int >= 2"),
-        ({"max_batch_size": 0}, "max_batch_size must be an int >= 1"),
-        ({"mem_fraction": 1.5}, "mem_fraction must be in"),
+        ({"page_size": 0}, r"page_size=0 must be an int in \[1, "),
+        ({"num_slots": 1}, r"num_slots=1 must be an int in \[2, "),
+        ({"num_slots": 64.0}, "num_slots=64.0"),
+        ({"max_batch_size": 0}, "max_batch_size=0"),
+        ({"prefill_step_size": True}, "prefill_step_size=True"),
+        ({"mem_fraction": 1.5}, r"mem_fraction=1.5 must be in \(0, 1\]"),
+        ({"mem_fraction": float("nan")}, "mem_fraction=nan must be a finite number"),
+        ({"prefix_cache": "no"}, "prefix_cache='no' must be True or False"),
     ],
 )
-def test_bad_engine_arguments(llama_model, kwargs, match):
+def test_bad_engine_arguments_are_named(llama_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(llama_model, **kwargs)
 
