@@ -55,10 +55,12 @@ Examples:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcache.cache import RaggedKVCache
 from mlxcache.pool import (
+    POOL_NAME,
     PoolExhausted,
     alloc,
     bytes_per_token_slot,
@@ -114,9 +117,9 @@ class EngineStats(ServingStats):
     Here ``cached_tokens`` are prompt tokens served from the radix tree and ``prefill_tokens``
     the ones run through the model (``prompt_tokens == cached_tokens + prefill_tokens``);
     ``token_evictions`` counts tokens the tree evicted to make room (``reset_cache`` is not
-    counted); ``ttft`` holds each request's seconds from its ``generate`` / ``stream`` call to
-    its first token. ``effective_prefill_tok_s`` counts cached prompt tokens too;
-    ``prefill_tok_s`` only the computed ones.
+    counted); ``ttft`` holds each request's seconds from its arrival (its ``generate`` call,
+    or the first ``next`` of its ``stream``) to its first token. ``effective_prefill_tok_s``
+    counts cached prompt tokens too; ``prefill_tok_s`` only the computed ones.
 
     Examples:
         >>> stats = EngineStats(requests=2, prompt_tokens=40, cached_tokens=30,
@@ -128,28 +131,56 @@ class EngineStats(ServingStats):
     """
 
 
+# A request's life: "new" (made, its stream not read yet) -> "waiting" (queued) -> "prefill"
+# (admitted into this step's prefill batch) -> "running" (in a decode group) -> "done"; or
+# "cancelled" (its stream was closed) or "aborted" (a step serving it failed) from any of them.
+_LIVE = frozenset({"waiting", "prefill", "running"})
+
+
 @dataclass(eq=False)
 class _Request:
-    """One request's host-side state while it is served."""
+    """One request's host-side state while it is served.
+
+    Slots: ``tree_slots`` are the prompt's first ``cached`` positions, owned by the tree and
+    pinned by the lock on ``node``; ``pending`` are the slots allocated for the rest, the
+    request's own until the prompt is inserted.
+    """
 
     index: int
     tokens: list[int]
     max_tokens: int
     params: SamplingParams
     stop: frozenset[int]
-    arrival: float
     key: mx.array | None
+    arrival: float = 0.0
+    owner: _Stream | None = None
+    state: str = "new"
+    group: _Group | None = None  # the decode group, while running
     output: list[int] = field(default_factory=list)
-    cached: int = 0  # prompt tokens served from the tree
-    node: TreeNode | None = None  # locked radix node
-    tree_slots: list[int] = field(default_factory=list)  # slots of the locked path
-    pending: list[int] = field(default_factory=list)  # allocated, not yet owned by the tree
+    cached: int = 0
+    node: TreeNode | None = None
+    tree_slots: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_tokens or (
             bool(self.output) and self.output[-1] in self.stop
         )
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One ``stream`` / ``generate`` call: its requests, and the tokens produced for them that
+    its reader has not taken yet (any step may produce them, whoever's read ran it)."""
+
+    reqs: list[_Request]
+    queue: deque[tuple[int, int]] = field(default_factory=deque)
+    error: BaseException | None = None  # a step that served one of its requests failed
+
+    @property
+    def live(self) -> bool:
+        return any(r.state in _LIVE for r in self.reqs)
 
 
 @dataclass(eq=False)
@@ -324,6 +355,33 @@ class Engine:
         prefill_step_size: most tokens (padding included) in one prefill forward; also the
             prefill budget between two decode steps.
 
+    One engine, many users (the contract the tests hold it to):
+
+    * *One thread*: any number of ``generate`` and ``stream`` users may be interleaved: two
+      streams read alternately, a ``generate`` inside a ``for`` loop over a stream, a stream
+      abandoned or ``close()``-d at any point. One scheduler
+      serves them all: reading any stream (or calling ``generate``) advances every open
+      request, and each token waits in its own stream until read. So every request's tokens
+      reach whoever asked for them, in order, each stream ends when its own requests end, and
+      no request waits on a stream nobody reads. A stream's requests join at its first
+      ``next`` (a stream never read costs nothing); closing it (``close()``, ``break``,
+      dropping the last reference) releases its unfinished requests at once. A stream that is
+      kept but not read keeps its requests running while others read (to ``max_tokens`` at
+      most); its tokens wait for it.
+    * *Several threads*: calls are serialized by a lock, one engine step at a time, so two
+      threads reading two streams (or calling ``generate``) take turns step by step. (MLX on
+      CPU evaluates from any thread; tested.) One stream must not be read from two threads at
+      once (Python refuses: "generator already executing").
+    * *Failures*: an exception inside a step (the model raising, a ``KeyboardInterrupt``, a
+      ``MemoryError``) propagates to the call that ran the step. The requests the failed part
+      was serving are dropped: a failed prefill drops the requests being prefilled; a failed
+      decode step drops every running request, since their decode caches may be half-updated.
+      Another stream that owned a dropped request raises ``RuntimeError`` (caused by the
+      original exception) once its queued tokens are read. The slot allocator and the tree's
+      locks are then rebuilt from what survives (the tree and the running requests), so no
+      slot is leaked or both free and cached, no lock is left behind, and later requests are
+      exact.
+
     Examples:
         >>> from mlxcache.bench import make_model     # a tiny random llama, or mlx_lm.load(path)
         >>> engine = Engine(make_model(), num_slots=128, max_batch_size=4)
@@ -334,6 +392,20 @@ class Engine:
         [0, 0, 1, 1]
         >>> engine.num_free_slots + engine.tree.total_size   # every slot is free or cached
         127
+
+        Two streams read alternately, with a ``generate`` between reads: each gets what the
+        same prompts get served together.
+
+        >>> want = engine.generate([[5, 6, 7], [8, 9]], max_tokens=3)
+        >>> a, b = engine.stream([[5, 6, 7]], max_tokens=3), engine.stream([[8, 9]], max_tokens=3)
+        >>> got_a, got_b = [next(a)[1]], [next(b)[1]]
+        >>> got_a.append(next(a)[1])
+        >>> engine.generate([[8, 9]], max_tokens=3) == [want[1]]
+        True
+        >>> got_b += [t for _, t in b]                 # b to its end while a is still open
+        >>> got_a += [t for _, t in a]
+        >>> [got_a, got_b] == want, engine.tree.protected_size   # nothing left locked
+        (True, 0)
     """
 
     def __init__(
@@ -406,6 +478,15 @@ class Engine:
                 heads, head_dim, dtype, page_size,
             )  # fmt: skip
 
+        # One scheduler for every stream (see the class docstring): the waiting queue, the
+        # decode groups (batched: the one running batch), and the lock that serializes threads.
+        self._waiting: deque[_Request] = deque()
+        self._batch = self._groups = None
+        self._new_groups()
+        self._lock = threading.RLock()
+        self._stepping = False  # a step is running (in the thread holding the lock)
+        self._closed_in_step: list[_Stream] = []  # streams finalized by the GC inside a step
+
     @staticmethod
     def _warn(message: str) -> None:
         warnings.warn(f"mlxcache: {message}", ReuseDisabledWarning, stacklevel=3)
@@ -429,9 +510,10 @@ class Engine:
 
     def reset_cache(self) -> None:
         """Forget every cached prefix (between calls)."""
-        if self._tree is not None:
-            self._tree.reset()
-            self._alloc = init_allocator(self._pool.num_slots)
+        with self._serialized():
+            if self._tree is not None:
+                self._tree.reset()
+                self._alloc = init_allocator(self._pool.num_slots)
 
     # -------------------------------------------------------------------------- API ----
 
@@ -462,7 +544,7 @@ class Engine:
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
         )
         out: list[list[int]] = [[] for _ in reqs]
-        for i, token in self._serve(reqs):
+        for i, token in self._run(reqs):
             out[i].append(token)
         return out
 
@@ -494,12 +576,14 @@ class Engine:
         1-D NumPy array) with one per prompt. All inputs are checked before any work starts,
         for the type and range they have on the device (int32 ids and counts, float32
         settings): a ValueError names the bad value; nothing is rounded or coerced.
-        Stopping the iteration early releases the requests cleanly.
+        The requests join the engine at the stream's first ``next``; closing the stream
+        (``close()``, leaving a ``for`` loop, dropping it) releases those not finished. See the
+        class docstring for interleaving streams, threads and failures.
         """
         reqs = self._make_requests(
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
         )
-        return self._serve(reqs)
+        return self._run(reqs)
 
     # ------------------------------------------------------------------- validation ----
 
@@ -538,7 +622,6 @@ class Engine:
                 where = f"prompt {i}: " if any(map(_per_prompt, given.values())) else ""
                 raise ValueError(f"{where}{e}") from None
         stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, self.vocab_size)
-        now = time.perf_counter()
         return [
             _Request(
                 index=i,
@@ -546,51 +629,190 @@ class Engine:
                 max_tokens=maxes[i],
                 params=params[i],
                 stop=stop,
-                arrival=now,
                 key=None if params[i].seed is None else mx.random.key(params[i].seed),
             )
             for i in range(n)
         ]
 
     # --------------------------------------------------------------------- serving ----
+    #
+    # One scheduler serves every open stream. The waiting queue and the decode groups are the
+    # engine's; each request knows the stream that owns it, and a step pushes every token it
+    # produces onto its owner's queue. A reader that needs a token runs steps until its queue
+    # has one; those steps advance every other open request too. So no request ever waits on
+    # a stream nobody reads: reading any one moves them all.
 
-    def _serve(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
-        waiting = deque(reqs)
-        batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
-        groups: list[_Group] = [batch] if self.batched else []
-        admitted: list[_Request] = []
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """Hold the engine's lock (threads take turns), refusing a call from inside a step."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError(
+                    "mlxcache: the engine was called from inside one of its own steps (by the "
+                    "model or the tokenizer?); it serves one step at a time"
+                )
+            yield
+
+    def _run(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
+        """The generator behind ``stream`` and ``generate``: ``(prompt index, token)``."""
+        stream = _Stream(reqs)
         try:
-            while waiting or any(g.reqs for g in groups):
-                running = sum(len(g.reqs) for g in groups)
-                prefill = self._admit_batch(waiting, running)
-                if prefill:
-                    admitted.extend(prefill)
-                    caches = self._prefill(prefill)
-                    for row, req in enumerate(prefill):
-                        yield req.index, req.output[-1]
-                        if req.done:
-                            self._finish(req, None)
-                        else:
-                            self._join(req, caches, row, batch, groups)
-                elif running == 0:
-                    req = waiting[0]
-                    raise PoolExhausted(len(req.tokens), self.num_free_slots)
-                for group in groups:
-                    if group.reqs:
-                        yield from self._decode_step(group)
-                groups = [g for g in groups if g.reqs or g is batch]
+            with self._serialized():
+                now = time.perf_counter()
+                for r in reqs:
+                    r.owner, r.arrival, r.state = stream, now, "waiting"
+                self._waiting.extend(reqs)
+            while True:
+                with self._serialized():
+                    while not stream.queue and stream.error is None and stream.live:
+                        if not self._step():
+                            raise RuntimeError(  # a bug, not a user error: say so, never hang
+                                "mlxcache: internal error: a stream has live requests but the "
+                                "engine has nothing to run"
+                            )
+                    if not stream.queue:
+                        if stream.error is not None:
+                            lost = [r.index for r in reqs if r.state == "aborted"]
+                            raise RuntimeError(
+                                f"mlxcache: request(s) {lost} of this stream were dropped: a "
+                                f"step serving them failed ({stream.error!r})"
+                            ) from stream.error
+                        return
+                    event = stream.queue.popleft()
+                yield event
         finally:
-            self._release(admitted)
+            self._close(stream)
 
-    def _release(self, reqs: list[_Request]) -> None:
-        """Give back what unfinished requests hold (on error or early stop)."""
-        for req in reqs:
-            if req.pending:
-                self._alloc = free(self._alloc, req.pending)
-                req.pending = []
-            if req.node is not None:
-                self._tree.unlock(req.node)
-                req.node = None
+    def _close(self, stream: _Stream) -> None:
+        """Release what the stream's unfinished requests hold (it was closed or dropped)."""
+        with self._lock:
+            if self._stepping:  # the GC finalized it inside a step: release after the step
+                self._closed_in_step.append(stream)
+            else:
+                self._cancel(stream)
+
+    def _cancel(self, stream: _Stream) -> None:
+        try:
+            for req in stream.reqs:
+                if req.state == "waiting":
+                    self._waiting.remove(req)
+                    req.state = "cancelled"
+                elif req.state == "running":
+                    self._finish(req, req.group, publish=False, state="cancelled")
+        except BaseException as e:  # removing a row failed half-way: the caches are suspect
+            self._abort(e, stream.reqs, groups=True)
+            raise
+
+    def _step(self) -> bool:
+        """One round: admit and prefill a batch if one fits, then one decode step of every
+        group. False if there was nothing to do."""
+        self._stepping = True
+        try:
+            prefilled = self._admit_and_prefill()
+            decoded = False
+            for group in list(self._groups):
+                if group.reqs:
+                    decoded = True
+                    try:
+                        self._decode_step(group)
+                    except BaseException as e:
+                        self._abort(e, [], groups=True)
+                        raise
+            return prefilled or decoded
+        finally:
+            self._stepping = False
+            while self._closed_in_step:
+                self._cancel(self._closed_in_step.pop())
+
+    def _admit_and_prefill(self) -> bool:
+        batch: list[_Request] = []
+        try:
+            self._admit_batch(batch)
+            if not batch:
+                if self._waiting and not self._num_running():
+                    # Unreachable while every prompt fits the pool (checked at the door):
+                    # with nothing running nothing is locked, so all slots are free or
+                    # evictable. Drop the request rather than retry it forever.
+                    req = self._waiting[0]
+                    err = PoolExhausted(
+                        len(req.tokens), self.num_free_slots + self._tree.evictable_size,
+                        what=POOL_NAME,
+                    )
+                    self._abort(err, [req], groups=False)
+                    raise err
+                return False
+            caches = self._prefill(batch)
+        except BaseException as e:
+            self._abort(e, batch, groups=False)
+            raise
+        try:
+            for row, req in enumerate(batch):
+                self._emit(req, req.output[-1])
+                if req.done:
+                    self._finish(req, None)
+                else:
+                    self._join(req, caches, row)
+        except BaseException as e:  # a half-joined row: the running batch's caches are suspect
+            self._abort(e, batch, groups=True)
+            raise
+        return True
+
+    def _emit(self, req: _Request, token: int) -> None:
+        req.owner.queue.append((req.index, token))
+
+    def _num_running(self) -> int:
+        return sum(len(g.reqs) for g in self._groups)
+
+    def _new_groups(self) -> None:
+        """Empty decode groups: batched, the one running batch; else one group per request."""
+        self._batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
+        self._groups = [self._batch] if self.batched else []
+
+    def _abort(self, exc: BaseException, reqs: list[_Request], groups: bool) -> None:
+        """After an exception inside a step: drop ``reqs`` and, with ``groups``, every running
+        request (their decode caches may be half-updated), then rebuild the allocator and the
+        tree's locks from what survives, so that wherever the exception struck, no slot is
+        leaked, none is both free and cached, and no lock is left behind."""
+        dropped = list(reqs)
+        if groups:
+            dropped += [r for g in self._groups for r in g.reqs]
+            self._new_groups()
+        for req in dropped:
+            if req.state not in _LIVE:
+                continue
+            if req.state == "waiting":
+                self._waiting.remove(req)
+            req.state, req.group = "aborted", None
+            if req.owner.error is None:
+                req.owner.error = exc
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Rebuild the slot bookkeeping from the tree and the running requests (the only
+        holders left after ``_abort``): locks are what running requests hold, free slots are
+        all those the tree does not hold."""
+        for req in self._waiting:  # a waiting request holds nothing (an admission may have
+            req.node, req.cached, req.tree_slots, req.pending = None, 0, [], []  # been cut)
+        if not self.reuse:
+            return
+        self._tree.release_locks()
+        running = [r for g in self._groups for r in g.reqs]
+        try:
+            for req in running:
+                self._tree.lock(req.node)
+        except ValueError:  # a node lost from the tree: drop every running request too
+            for req in running:
+                req.state, req.group, req.node = "aborted", None, None
+                if req.owner.error is None:
+                    req.owner.error = RuntimeError("mlxcache: a running prefix was lost")
+            self._new_groups()
+            self._tree.release_locks()
+        n = self.num_slots
+        held = np.zeros(n, dtype=bool)
+        held[0] = True  # the sink is never free
+        held[self._tree.all_slots()] = True
+        everything, _, _ = alloc(init_allocator(n), n - 1)
+        self._alloc = free(everything, np.flatnonzero(~held))
 
     def _alloc_slots(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
@@ -606,14 +828,16 @@ class Engine:
         self._alloc = a
         return slots
 
-    def _admit_batch(self, waiting: deque[_Request], running: int) -> list[_Request]:
-        """Take the next prefill batch off ``waiting`` (maybe empty: the pool is full)."""
-        batch: list[_Request] = []
+    def _admit_batch(self, batch: list[_Request]) -> None:
+        """Move the next prefill batch from the waiting queue into ``batch`` (maybe none: the
+        pool is full). ``batch`` is filled in place so that an exception part-way leaves every
+        reserved request in it, for ``_abort`` to drop."""
         widest = 0
-        while waiting and running + len(batch) < self.max_batch_size:
-            req = waiting[0]
-            match = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
-            cached = min(len(match[0]), len(req.tokens) - 1)  # a full hit recomputes 1 token
+        running = self._num_running()
+        while self._waiting and running + len(batch) < self.max_batch_size:
+            req = self._waiting[0]
+            slots, node = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
+            cached = min(len(slots), len(req.tokens) - 1)  # a full hit recomputes 1 token
             todo = len(req.tokens) - cached
             if batch and (
                 not self.batched
@@ -621,12 +845,12 @@ class Engine:
                 or self._shares_uncached(req, cached, batch)
             ):
                 break
-            if self.reuse and not self._reserve(req, match, cached):
+            if self.reuse and not self._reserve(req, (slots, node), cached):
                 break
-            waiting.popleft()
             batch.append(req)
+            self._waiting.popleft()
+            req.state = "prefill"
             widest = max(widest, todo)
-        return batch
 
     def _shares_uncached(self, req: _Request, cached: int, batch: list[_Request]) -> bool:
         """Would ``req`` reuse enough of a batch member's prompt, once it is inserted?"""
@@ -724,25 +948,24 @@ class Engine:
         if drop:
             self._alloc = free(self._alloc, drop)
 
-    def _join(
-        self, req: _Request, caches: list[Any], row: int, batch: _Group, groups: list[_Group]
-    ) -> None:
+    def _join(self, req: _Request, caches: list[Any], row: int) -> None:
         """Put a prefilled request (row ``row`` of ``caches``) into the running batch, or,
         unbatched, into a group of its own."""
         if not self.plain_kv:  # mlx-lm's own caches, one request
             group = _Group(caches)
-            groups.append(group)
+            self._groups.append(group)
         else:
             if self.batched:
-                group = batch
+                group = self._batch
             else:
                 group = _Group([RaggedKVCache() for _ in caches])
-                groups.append(group)
+                self._groups.append(group)
             for dst, src in zip(group.caches, caches, strict=True):
                 dst.add_row(*src.row(row))
         group.add(req)
+        req.group, req.state = group, "running"
 
-    def _decode_step(self, group: _Group) -> Iterator[tuple[int, int]]:
+    def _decode_step(self, group: _Group) -> None:
         """One forward for the group; emits the tokens sampled by the *previous* step.
 
         The step's own samples stay on the device (``mx.async_eval``) and feed the next step,
@@ -762,7 +985,7 @@ class Engine:
             if new:
                 req.output.append(token)
                 self.stats.decode_tokens += 1
-                yield req.index, token
+                self._emit(req, token)
                 if req.done:
                     finished.append(req)
         # Last rows first: a finished row at the end leaves without moving another row.
@@ -779,19 +1002,25 @@ class Engine:
                 keys.append(None)
         return sample(logits, [r.params for r in reqs], keys)
 
-    def _finish(self, req: _Request, group: _Group | None) -> None:
-        """Cache prompt + answer (when there is room), leave the batch, drop the lock."""
+    def _finish(
+        self, req: _Request, group: _Group | None, publish: bool = True, state: str = "done"
+    ) -> None:
+        """Cache prompt + answer (when there is room and ``publish``), leave the group, drop
+        the lock."""
         if group is not None:
             row = group.reqs.index(req)
-            if self.reuse:
+            if self.reuse and publish:
                 self._publish_answer(req, group, row)
             if isinstance(group.caches[0], RaggedKVCache):
                 for c in group.caches:
                     c.remove_row(row)
             group.remove(row)
+            if not group.reqs and group is not self._batch:
+                self._groups.remove(group)
         if req.node is not None:
             self._tree.unlock(req.node)
             req.node = None
+        req.state, req.group = state, None
 
     def _publish_answer(self, req: _Request, group: _Group, row: int) -> None:
         """Write the generated tokens' K/V (all but the last, never fed back) to the pool."""
