@@ -359,7 +359,7 @@ class Engine:
 
     * *One thread*: any number of ``generate`` and ``stream`` users may be interleaved: two
       streams read alternately, a ``generate`` inside a ``for`` loop over a stream, a stream
-      abandoned or ``close()``-d at any point. One scheduler
+      abandoned or ``close()``-d at any point, ``reset_cache()`` at any point. One scheduler
       serves them all: reading any stream (or calling ``generate``) advances every open
       request, and each token waits in its own stream until read. So every request's tokens
       reach whoever asked for them, in order, each stream ends when its own requests end, and
@@ -509,11 +509,32 @@ class Engine:
         return self._tree
 
     def reset_cache(self) -> None:
-        """Forget every cached prefix (between calls)."""
+        """Forget every cached prefix that no running request holds: evict all that is
+        evictable and free its slots.
+
+        Safe at any point, streams open or not: a running request's locked prefix stays until
+        the request finishes (then it and its answer are cached as usual); requests that have
+        not started hold nothing. With nothing running, the tree ends empty and every slot is
+        free. Not counted in ``stats.token_evictions``.
+
+        Examples:
+            >>> from mlxcache.bench import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> events = engine.stream([[1, 2, 3, 4]], max_tokens=4)
+            >>> _ = next(events)                          # running: its prompt is locked
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.tree.protected_size
+            (4, 4)
+            >>> _ = list(events)                          # finished: prompt + answer cached
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.num_free_slots
+            (0, 63)
+        """
         with self._serialized():
             if self._tree is not None:
-                self._tree.reset()
-                self._alloc = init_allocator(self._pool.num_slots)
+                freed = self._tree.evict(self._tree.evictable_size)
+                if freed:
+                    self._alloc = free(self._alloc, freed)
 
     # -------------------------------------------------------------------------- API ----
 
