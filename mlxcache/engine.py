@@ -6,9 +6,10 @@ with ``RaggedKVCache`` caches. Nothing in the model is patched.
 
 One request's life (prefix reuse on):
 
-1. *admit*: ``match_prefix`` finds the longest cached prefix (a full hit keeps the last token
-   back: its logits are needed); the matched node is locked; slots for the new tokens are
-   allocated, evicting least recently used unlocked prefixes if the pool is short. If even
+1. *admit*: ``match_prefix`` finds the longest cached prefix and the matched node is locked;
+   slots for the tokens the tree lacks are allocated, evicting least recently used unlocked
+   prefixes if the pool is short. (A full hit runs its last token again, for its logits, but
+   needs no slot: that token's K/V is in the tree already.) If even
    that fails while other requests run, the request waits for them to finish. Requests are
    admitted together into one *prefill batch* while their padded new tokens fit
    ``prefill_step_size``; a request that shares a good part of its uncached tokens with one
@@ -141,9 +142,11 @@ _LIVE = frozenset({"waiting", "prefill", "running"})
 class _Request:
     """One request's host-side state while it is served.
 
-    Slots: ``tree_slots`` are the prompt's first ``cached`` positions, owned by the tree and
-    pinned by the lock on ``node``; ``pending`` are the slots allocated for the rest, the
-    request's own until the prompt is inserted.
+    Slots: ``tree_slots`` are the prompt's first ``len(tree_slots)`` positions, owned by the
+    tree and pinned by the lock on ``node``; ``pending`` are the slots allocated for the rest,
+    the request's own until the prompt is inserted. ``cached`` of the ``tree_slots`` positions
+    are read from the pool: all of them, except after a full hit, which recomputes the last
+    token (its logits are needed) and so needs no new slot at all.
     """
 
     index: int
@@ -755,9 +758,9 @@ class Engine:
                     # with nothing running nothing is locked, so all slots are free or
                     # evictable. Drop the request rather than retry it forever.
                     req = self._waiting[0]
+                    need = len(req.tokens) - len(self._tree.match_prefix(req.tokens)[0])
                     err = PoolExhausted(
-                        len(req.tokens), self.num_free_slots + self._tree.evictable_size,
-                        what=POOL_NAME,
+                        need, self.num_free_slots + self._tree.evictable_size, what=POOL_NAME
                     )
                     self._abort(err, [req], groups=False)
                     raise err
@@ -866,7 +869,7 @@ class Engine:
                 or self._shares_uncached(req, cached, batch)
             ):
                 break
-            if self.reuse and not self._reserve(req, (slots, node), cached):
+            if self.reuse and not self._reserve(req, slots, node, cached):
                 break
             batch.append(req)
             self._waiting.popleft()
@@ -881,15 +884,15 @@ class Engine:
             other.tokens[: cached + want] == head for other in batch
         )
 
-    def _reserve(self, req: _Request, match: tuple[list[int], TreeNode], cached: int) -> bool:
-        """Lock the matched prefix and allocate the new tokens' slots; False to wait."""
-        slots, node = match
+    def _reserve(self, req: _Request, slots: list[int], node: TreeNode, cached: int) -> bool:
+        """Lock the matched prefix and allocate slots for the tokens the tree lacks; False to
+        wait. A full hit needs none: the token it recomputes is in the tree already."""
         self._tree.lock(node)
-        new = self._alloc_slots(len(req.tokens) - cached)
+        new = self._alloc_slots(len(req.tokens) - len(slots))
         if new is None:
             self._tree.unlock(node)
             return False
-        req.node, req.tree_slots, req.cached, req.pending = node, slots[:cached], cached, new
+        req.node, req.tree_slots, req.cached, req.pending = node, slots, cached, new
         return True
 
     def _prefill(self, reqs: list[_Request]) -> list[Any]:
@@ -902,7 +905,7 @@ class Engine:
         if not self.plain_kv:
             caches = make_prompt_cache(self.model)
         elif self.reuse:
-            prefixes = [r.tree_slots for r in reqs]
+            prefixes = [r.tree_slots[: r.cached] for r in reqs]
             caches = [
                 RaggedKVCache.from_pool(self._pool, layer, prefixes)
                 for layer in range(self.num_layers)
@@ -941,14 +944,16 @@ class Engine:
 
     def _publish_prompts(self, reqs: list[_Request], caches: list[RaggedKVCache]) -> None:
         """Write the new K/V to the pool, insert the prompts, move each lock onto its prompt."""
-        rows = [[c.row(i, r.cached) for i, r in enumerate(reqs)] for c in caches]
-        self._pool = set_kv_all_layers(
-            self._pool,
-            mx.array([s for r in reqs for s in r.pending], dtype=mx.int32),
-            [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
-            [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
-        )
-        mx.eval(self._pool)
+        new = [(i, r) for i, r in enumerate(reqs) if r.pending]  # a full hit writes nothing
+        if new:
+            rows = [[c.row(i, len(r.tree_slots)) for i, r in new] for c in caches]
+            self._pool = set_kv_all_layers(
+                self._pool,
+                mx.array([s for _, r in new for s in r.pending], dtype=mx.int32),
+                [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
+                [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
+            )
+            mx.eval(self._pool)
         for req in reqs:
             self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
             req.pending = []
