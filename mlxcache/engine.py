@@ -307,6 +307,15 @@ def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
     return None
 
 
+def _arrays_in(tree: Any) -> list[mx.array]:
+    """The ``mx.array`` leaves of nested lists and tuples (a cache's ``state`` may hold None)."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [a for x in tree for a in _arrays_in(x)]
+    return []
+
+
 def _per_prompt(value: Any) -> bool:
     """A list, tuple or 1-D NumPy array gives one value per prompt; anything else is shared."""
     return isinstance(value, list | tuple) or isinstance(value, np.ndarray) and value.ndim == 1
@@ -372,9 +381,11 @@ class Engine:
       kept but not read keeps its requests running while others read (to ``max_tokens`` at
       most); its tokens wait for it.
     * *Several threads*: calls are serialized by a lock, one engine step at a time, so two
-      threads reading two streams (or calling ``generate``) take turns step by step. (MLX on
-      CPU evaluates from any thread; tested.) One stream must not be read from two threads at
-      once (Python refuses: "generator already executing").
+      threads reading two streams (or calling ``generate``) take turns step by step. MLX
+      (>= 0.31.2) ties an array that is not yet scheduled to the thread that built it, so
+      every call leaves all the device state it keeps scheduled (``mx.async_eval``, no wait)
+      before it lets another thread in; tested with four threads. One stream must not be read
+      from two threads at once (Python refuses: "generator already executing").
     * *Failures*: an exception inside a step (the model raising, a ``KeyboardInterrupt``, a
       ``MemoryError``) propagates to the call that ran the step. The requests the failed part
       was serving are dropped: a failed prefill drops the requests being prefilled; a failed
@@ -646,6 +657,8 @@ class Engine:
                 where = f"prompt {i}: " if any(map(_per_prompt, given.values())) else ""
                 raise ValueError(f"{where}{e}") from None
         stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, self.vocab_size)
+        keys = [None if p.seed is None else mx.random.key(p.seed) for p in params]
+        mx.eval(_arrays_in(keys))  # built in the caller's thread: evaluated, any thread uses it
         return [
             _Request(
                 index=i,
@@ -653,7 +666,7 @@ class Engine:
                 max_tokens=maxes[i],
                 params=params[i],
                 stop=stop,
-                key=None if params[i].seed is None else mx.random.key(params[i].seed),
+                key=keys[i],
             )
             for i in range(n)
         ]
@@ -723,6 +736,7 @@ class Engine:
                     req.state = "cancelled"
                 elif req.state == "running":
                     self._finish(req, req.group, publish=False, state="cancelled")
+            self._settle()
         except BaseException as e:  # removing a row failed half-way: the caches are suspect
             self._abort(e, stream.reqs, groups=True)
             raise
@@ -742,6 +756,7 @@ class Engine:
                     except BaseException as e:
                         self._abort(e, [], groups=True)
                         raise
+            self._settle()
             return prefilled or decoded
         finally:
             self._stepping = False
@@ -818,6 +833,7 @@ class Engine:
         for req in self._waiting:  # a waiting request holds nothing (an admission may have
             req.node, req.cached, req.tree_slots, req.pending = None, 0, [], []  # been cut)
         if not self.reuse:
+            self._settle()
             return
         self._tree.release_locks()
         running = [r for g in self._groups for r in g.reqs]
@@ -831,12 +847,26 @@ class Engine:
                     req.owner.error = RuntimeError("mlxcache: a running prefix was lost")
             self._new_groups()
             self._tree.release_locks()
+        self._settle()
         n = self.num_slots
         held = np.zeros(n, dtype=bool)
         held[0] = True  # the sink is never free
         held[self._tree.all_slots()] = True
         everything, _, _ = alloc(init_allocator(n), n - 1)
         self._alloc = free(everything, np.flatnonzero(~held))
+
+    def _settle(self) -> None:
+        """Schedule every array the engine keeps between calls (``mx.async_eval``: no wait, so
+        the decode pipelining stays). MLX (>= 0.31.2) ties an array that is not yet scheduled
+        to the stream of the thread that built it, and another thread evaluating it fails
+        ("There is no Stream(cpu, N) in current thread"); a scheduled one any thread may wait
+        on. So the next call gets only scheduled arrays, whichever thread makes it."""
+        arrays = [] if self._pool is None else [*self._pool.keys, *self._pool.values]
+        for group in self._groups:
+            arrays.append(group.feed)
+            arrays.extend(c.state for c in group.caches)
+            arrays.extend(r.key for r in group.reqs)
+        mx.async_eval(_arrays_in(arrays))
 
     def _alloc_slots(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
