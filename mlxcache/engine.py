@@ -70,6 +70,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxcache._checks import plain_ints
 from mlxcache.cache import RaggedKVCache
 from mlxcache.pool import (
     POOL_NAME,
@@ -629,7 +630,10 @@ class Engine:
             bos = getattr(self.tokenizer, "bos_token", None)
             special = bos is None or not prompt.startswith(bos)
             prompt = self.tokenizer.encode(prompt, add_special_tokens=special)
-        tokens = token_ids(f"prompt {i}", prompt, self.vocab_size)
+        if plain_ints(prompt, self.vocab_size) and prompt:
+            tokens = list(prompt)  # a copy: the caller may change theirs while this waits
+        else:
+            tokens = token_ids(f"prompt {i}", prompt, self.vocab_size)
         if self.reuse and len(tokens) > self.num_slots - 1:
             raise ValueError(
                 f"prompt {i} has {len(tokens)} tokens but the KV pool holds at most "

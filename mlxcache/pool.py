@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from mlxcache._checks import plain_ints
 from servecore.errors import PoolExhausted
 from servecore.validate import INT32_MAX, check_int, is_int
 
@@ -198,6 +199,8 @@ def host_slots(name: str, slots: Sequence[int] | np.ndarray, num_slots: int) -> 
             raise ValueError(f"{name}[{i}]={int(arr[i])} must be an int slot id in "
                              f"[0, {num_slots})")
         return arr
+    if plain_ints(slots, num_slots):
+        return np.asarray(slots, dtype=np.int64).reshape(-1)
     if isinstance(slots, str | bytes) or not isinstance(slots, Sequence):
         raise ValueError(f"{name} must be a list or 1-D integer array of slot ids, got "
                          f"{type(slots).__name__}")

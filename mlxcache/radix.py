@@ -41,17 +41,22 @@ import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from mlxcache._checks import plain_ints
 from servecore.validate import INT32_MAX, is_int, token_ids
 
 __all__ = ["RadixCache", "TreeNode"]
 
 
-def _tokens(tokens: Any) -> list[int]:
-    """``tokens`` as a list of int token ids (int32 range), ValueError naming a bad one."""
+def _tokens(tokens: Any) -> Sequence[int]:
+    """``tokens`` as int token ids (int32 range), ValueError naming a bad one."""
+    if plain_ints(tokens, INT32_MAX + 1):
+        return tokens
     return token_ids("tokens", tokens, vocab_size=INT32_MAX + 1, allow_empty=True)
 
 
-def _slots(slots: Any) -> list[int]:
+def _slots(slots: Any) -> Sequence[int]:
+    if plain_ints(slots, INT32_MAX + 1):
+        return slots
     if isinstance(slots, str | bytes) or not (isinstance(slots, Sequence) or hasattr(
             slots, "tolist")):
         raise ValueError(f"slots must be a list of slot ids, got {type(slots).__name__}")

@@ -607,3 +607,19 @@ class RadixMachine(RuleBasedStateMachine):
 # Pure Python and cheap (~10 ms an example): more examples than the profile's default.
 RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40)
 TestRadixMachine = RadixMachine.TestCase
+
+
+_VALUES = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(0, 10, allow_nan=False),
+                    st.integers(0, 12).map(np.int64), st.just(2**31))
+
+
+@given(st.one_of(st.lists(_VALUES, max_size=6), st.tuples(_VALUES, _VALUES)),
+       st.integers(1, 2**31))
+def test_the_fast_path_of_the_door_checks_accepts_only_what_the_full_check_accepts(values, hi):
+    """``_checks.plain_ints`` skips servecore's per-element check for plain int lists: it may
+    refuse more (NumPy scalars go the slow way), never less."""
+    from mlxcache._checks import plain_ints
+    from servecore.validate import token_ids
+
+    if plain_ints(values, hi):
+        assert token_ids("x", values, vocab_size=hi, allow_empty=True) == list(values)
