@@ -839,6 +839,7 @@ class Engine:
         if not self.reuse:
             self._settle()
             return
+        mx.async_eval(self._pool)  # the fault may have struck between a write and its eval
         self._tree.release_locks()
         running = [r for g in self._groups for r in g.reqs]
         try:
@@ -864,8 +865,9 @@ class Engine:
         the decode pipelining stays). MLX (>= 0.31.2) ties an array that is not yet scheduled
         to the stream of the thread that built it, and another thread evaluating it fails
         ("There is no Stream(cpu, N) in current thread"); a scheduled one any thread may wait
-        on. So the next call gets only scheduled arrays, whichever thread makes it."""
-        arrays = [] if self._pool is None else [*self._pool.keys, *self._pool.values]
+        on. So the next call gets only scheduled arrays, whichever thread makes it. (The pool
+        is evaluated after each write already.)"""
+        arrays = []
         for group in self._groups:
             arrays.append(group.feed)
             arrays.extend(c.state for c in group.caches)
