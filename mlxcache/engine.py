@@ -435,6 +435,9 @@ class Engine:
         prefix_cache: bool = True,
         prefill_step_size: int = 2048,
     ):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
+                             f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
         opts = _check_options(num_slots, page_size, mem_fraction, max_batch_size,
                               prefill_step_size, prefix_cache)
         num_slots, mem_fraction, prefix_cache = (

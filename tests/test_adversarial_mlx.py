@@ -160,6 +160,10 @@ def test_every_form_of_a_tokenizers_eos_ids_stops_generation(model, form):
     engine = Engine(model, tokenizer, num_slots=64)
     assert engine.generate([prompt], max_tokens=8) == [want[: want.index(eos) + 1]]
     assert engine.generate([prompt], max_tokens=8, stop_token_ids=[]) == [want]  # explicit
+    one = want[1]  # one id, not a list
+    assert engine.generate([prompt], max_tokens=8, stop_token_ids=one) == [
+        want[: want.index(one) + 1]
+    ]
     assert_intact(engine)
 
 
@@ -377,6 +381,11 @@ def test_a_generator_of_prompts_is_read_once(model):
 def test_bad_engine_options_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(model, **kwargs)
+
+
+def test_a_model_that_is_not_a_model_is_named(model):
+    with pytest.raises(ValueError, match="model must be an mlx-lm model .* got str: 'path/to"):
+        Engine("path/to/model")
 
 
 def test_radix_tree_takes_mlx_tokens_as_the_ints_they_hold():
