@@ -67,9 +67,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from mlxcache.pool import KVPool, get_kv
+from mlxcache.pool import KVPool, get_kv, host_slots
 
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float
@@ -138,6 +139,9 @@ class RaggedKVCache:
     ) -> RaggedKVCache:
         """Row ``i`` holds ``layer``'s K/V at slots ``prefixes[i]`` of ``pool`` (lazy gather).
 
+        Each prefix is a list of int slot ids (or a NumPy int array), checked like any host
+        slots (``mlxcache.pool.host_slots``).
+
         The gather is one ``take`` over a ``(B, max_prefix)`` slot table padded with slot 0.
         It is an MLX graph node that reads ``pool``: evaluate the forward that uses this cache
         before writing to the pool, so that the write happens in place.
@@ -150,19 +154,24 @@ class RaggedKVCache:
             >>> c.offset.tolist(), c.row(0)[0].shape
             ([2, 0, 1], (1, 2, 2, 4))
         """
-        cache = cls(len(prefixes))
-        widest = max(map(len, prefixes), default=0)
+        if isinstance(prefixes, str | bytes) or not isinstance(prefixes, Sequence):
+            raise ValueError(f"prefixes must be a list of slot lists, got {prefixes!r:.60}")
+        rows = [host_slots(f"prefixes[{i}]", p, pool.num_slots) for i, p in enumerate(prefixes)]
+        cache = cls(len(rows))
+        widest = max(map(len, rows), default=0)
         if widest == 0:
             return cache
-        table = mx.array([list(p) + [0] * (widest - len(p)) for p in prefixes], dtype=mx.int32)
-        k, v = get_kv(pool, layer, table.reshape(-1))
+        table = np.zeros((len(rows), widest), dtype=np.int32)  # padded with slot 0, the sink
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        k, v = get_kv(pool, layer, mx.array(table.reshape(-1)))
         b, h, d = len(prefixes), pool.n_kv_heads, pool.head_dim
         k = k.reshape(b, widest, h, d).swapaxes(1, 2)
         v = v.reshape(b, widest, h, d).swapaxes(1, 2)
         cache._grow(b, widest, k, v)
         cache.keys[:b, :, :widest] = k
         cache.values[:b, :, :widest] = v
-        cache.lengths = [len(p) for p in prefixes]
+        cache.lengths = [len(r) for r in rows]
         return cache
 
     # -------------------------------------------------------------- rows (host side) ----

@@ -6,9 +6,10 @@ with ``RaggedKVCache`` caches. Nothing in the model is patched.
 
 One request's life (prefix reuse on):
 
-1. *admit*: ``match_prefix`` finds the longest cached prefix (a full hit keeps the last token
-   back: its logits are needed); the matched node is locked; slots for the new tokens are
-   allocated, evicting least recently used unlocked prefixes if the pool is short. If even
+1. *admit*: ``match_prefix`` finds the longest cached prefix and the matched node is locked;
+   slots for the tokens the tree lacks are allocated, evicting least recently used unlocked
+   prefixes if the pool is short. (A full hit runs its last token again, for its logits, but
+   needs no slot: that token's K/V is in the tree already.) If even
    that fails while other requests run, the request waits for them to finish. Requests are
    admitted together into one *prefill batch* while their padded new tokens fit
    ``prefill_step_size``; a request that shares a good part of its uncached tokens with one
@@ -55,20 +56,24 @@ Examples:
 from __future__ import annotations
 
 import logging
-import os
+import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxcache._checks import plain_ints
 from mlxcache.cache import RaggedKVCache
 from mlxcache.pool import (
+    POOL_NAME,
     PoolExhausted,
     alloc,
     bytes_per_token_slot,
@@ -79,6 +84,16 @@ from mlxcache.pool import (
 )
 from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
+from servecore.memory import memory_budget
+from servecore.stats import ServingStats
+from servecore.validate import (
+    check_int,
+    check_real,
+    eos_token_ids,
+    prompt_list,
+    stop_ids,
+    token_ids,
+)
 
 __all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
 
@@ -97,77 +112,79 @@ class ReuseDisabledWarning(UserWarning):
 
 
 @dataclass
-class EngineStats:
-    """Counters over an engine's life (see ``Engine.stats``).
+class EngineStats(ServingStats):
+    """Counters over an engine's life (see ``Engine.stats``): ``servecore.ServingStats``, the
+    names and rates both engines share.
 
-    ``cached_tokens`` are prompt tokens served from the radix tree; ``prefill_tokens_computed``
-    the ones run through the model (``prompt_tokens == cached + computed``). ``evictions``
-    counts evicted tokens. ``prefill_tokens_per_s`` is *effective*: all prompt tokens (cached
-    ones included) over prefill time. ``ttft`` is the mean time to first token in seconds,
-    measured from the ``generate``/``stream`` call.
+    Here ``cached_tokens`` are prompt tokens served from the radix tree and ``prefill_tokens``
+    the ones run through the model (``prompt_tokens == cached_tokens + prefill_tokens``);
+    ``token_evictions`` counts tokens the tree evicted to make room (``reset_cache`` is not
+    counted); ``ttft`` holds each request's seconds from its arrival (its ``generate`` call,
+    or the first ``next`` of its ``stream``) to its first token. ``effective_prefill_tok_s``
+    counts cached prompt tokens too; ``prefill_tok_s`` only the computed ones.
 
     Examples:
         >>> stats = EngineStats(requests=2, prompt_tokens=40, cached_tokens=30,
-        ...                     prefill_tokens_computed=10, prefill_time_s=0.5)
-        >>> stats.hit_rate, stats.prefill_tokens_per_s
-        (0.75, 80.0)
-        >>> EngineStats().hit_rate          # no requests yet: rates are 0, not an error
-        0.0
+        ...                     prefill_tokens=10, prefill_seconds=0.5, ttft=[0.2, 0.4])
+        >>> stats.hit_rate, stats.prefill_tok_s, stats.effective_prefill_tok_s
+        (0.75, 20.0, 80.0)
+        >>> round(stats.mean_ttft, 6), EngineStats().hit_rate   # nothing yet: 0, not an error
+        (0.3, 0.0)
     """
 
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    evictions: int = 0
-    decode_tokens: int = 0
-    prefill_time_s: float = 0.0
-    decode_time_s: float = 0.0
-    ttft_total_s: float = 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        """Share of prompt tokens served from the radix tree (0.0 before any request)."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Effective prefill throughput: all prompt tokens, cached ones included, per second."""
-        return self.prompt_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens after each request's first, per second of decode steps."""
-        return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
-
-    @property
-    def ttft(self) -> float:
-        """Mean time to first token in seconds, from the ``generate``/``stream`` call."""
-        return self.ttft_total_s / self.requests if self.requests else 0.0
+# A request's life: "new" (made, its stream not read yet) -> "waiting" (queued) -> "prefill"
+# (admitted into this step's prefill batch) -> "running" (in a decode group) -> "done"; or
+# "cancelled" (its stream was closed) or "aborted" (a step serving it failed) from any of them.
+_LIVE = frozenset({"waiting", "prefill", "running"})
 
 
 @dataclass(eq=False)
 class _Request:
-    """One request's host-side state while it is served."""
+    """One request's host-side state while it is served.
+
+    Slots: ``tree_slots`` are the prompt's first ``len(tree_slots)`` positions, owned by the
+    tree and pinned by the lock on ``node``; ``pending`` are the slots allocated for the rest,
+    the request's own until the prompt is inserted. ``cached`` of the ``tree_slots`` positions
+    are read from the pool: all of them, except after a full hit, which recomputes the last
+    token (its logits are needed) and so needs no new slot at all.
+    """
 
     index: int
     tokens: list[int]
     max_tokens: int
     params: SamplingParams
     stop: frozenset[int]
-    arrival: float
     key: mx.array | None
+    arrival: float = 0.0
+    owner: _Stream | None = None
+    state: str = "new"
+    group: _Group | None = None  # the decode group, while running
     output: list[int] = field(default_factory=list)
-    cached: int = 0  # prompt tokens served from the tree
-    node: TreeNode | None = None  # locked radix node
-    tree_slots: list[int] = field(default_factory=list)  # slots of the locked path
-    pending: list[int] = field(default_factory=list)  # allocated, not yet owned by the tree
+    cached: int = 0
+    node: TreeNode | None = None
+    tree_slots: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_tokens or (
             bool(self.output) and self.output[-1] in self.stop
         )
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One ``stream`` / ``generate`` call: its requests, and the tokens produced for them that
+    its reader has not taken yet (any step may produce them, whoever's read ran it)."""
+
+    reqs: list[_Request]
+    queue: deque[tuple[int, int]] = field(default_factory=deque)
+    error: BaseException | None = None  # a step that served one of its requests failed
+
+    @property
+    def live(self) -> bool:
+        return any(r.state in _LIVE for r in self.reqs)
 
 
 @dataclass(eq=False)
@@ -212,19 +229,17 @@ def _vocab_size(model: nn.Module) -> int:
 
 
 def _memory_budget() -> tuple[int, str]:
-    """Bytes the pool may draw from, and where the figure came from."""
+    """Bytes the pool may draw from, and where the figure came from.
+
+    On Apple silicon the pool lives in Metal's working set; elsewhere MLX allocates host
+    memory, so ``servecore.memory_budget`` (``MemAvailable``, capped by any cgroup limit: a
+    container with 4 GiB on a 512 GiB host sizes from 4 GiB).
+    """
     if mx.metal.is_available():
         info = mx.device_info()
         total = int(info.get("max_recommended_working_set_size", info["memory_size"]))
         return max(total - mx.get_active_memory(), 0), "Metal working set"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable"
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+    return memory_budget()
 
 
 def auto_num_slots(
@@ -293,13 +308,46 @@ def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
     return None
 
 
+def _arrays_in(tree: Any) -> list[mx.array]:
+    """The ``mx.array`` leaves of nested lists and tuples (a cache's ``state`` may hold None)."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [a for x in tree for a in _arrays_in(x)]
+    return []
+
+
+def _per_prompt(value: Any) -> bool:
+    """A list, tuple or 1-D NumPy array gives one value per prompt; anything else is shared."""
+    return isinstance(value, list | tuple) or isinstance(value, np.ndarray) and value.ndim == 1
+
+
 def _listify(name: str, value: Any, n: int) -> list[Any]:
     """``value`` for each of ``n`` requests: a scalar is shared, a list must have length n."""
-    if isinstance(value, list | tuple):
+    if _per_prompt(value):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _check_options(num_slots, page_size, mem_fraction, max_batch_size, prefill_step_size,
+                   prefix_cache) -> dict[str, Any]:
+    """The engine's options, checked (a ValueError names the bad one), as plain Python values.
+    The CLI checks its flags with this before it loads a model."""
+    out = dict(
+        num_slots=None if num_slots is None else check_int("num_slots", num_slots, 2),
+        page_size=check_int("page_size", page_size, 1),
+        max_batch_size=check_int("max_batch_size", max_batch_size, 1),
+        prefill_step_size=check_int("prefill_step_size", prefill_step_size, 1),
+        mem_fraction=check_real("mem_fraction", mem_fraction),
+    )
+    if not 0 < out["mem_fraction"] <= 1:
+        raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
+    if not isinstance(prefix_cache, bool | np.bool_):
+        raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
+    out["prefix_cache"] = bool(prefix_cache)
+    return out
 
 
 class Engine:
@@ -311,13 +359,43 @@ class Engine:
             prompts; its EOS ids are the default stop tokens.
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
-            ``MemAvailable``), capped at ``MAX_AUTO_SLOTS``.
+            ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
+            capped at ``MAX_AUTO_SLOTS``.
         page_size: radix tree granularity in tokens.
         mem_fraction: share of free memory the automatic pool may take.
         max_batch_size: most requests decoded at once.
         prefix_cache: False serves the same way without a pool or tree (no reuse).
         prefill_step_size: most tokens (padding included) in one prefill forward; also the
             prefill budget between two decode steps.
+
+    One engine, many users (the contract the tests hold it to):
+
+    * *One thread*: any number of ``generate`` and ``stream`` users may be interleaved: two
+      streams read alternately, a ``generate`` inside a ``for`` loop over a stream, a stream
+      abandoned or ``close()``-d at any point, ``reset_cache()`` at any point. One scheduler
+      serves them all: reading any stream (or calling ``generate``) advances every open
+      request, and each token waits in its own stream until read. So every request's tokens
+      reach whoever asked for them, in order, each stream ends when its own requests end, and
+      no request waits on a stream nobody reads. A stream's requests join at its first
+      ``next`` (a stream never read costs nothing); closing it (``close()``, ``break``,
+      dropping the last reference) releases its unfinished requests at once. A stream that is
+      kept but not read keeps its requests running while others read (to ``max_tokens`` at
+      most); its tokens wait for it.
+    * *Several threads*: calls are serialized by a lock, one engine step at a time, so two
+      threads reading two streams (or calling ``generate``) take turns step by step. MLX
+      (>= 0.31.2) ties an array that is not yet scheduled to the thread that built it, so
+      every call leaves all the device state it keeps scheduled (``mx.async_eval``, no wait)
+      before it lets another thread in; tested with four threads. One stream must not be read
+      from two threads at once (Python refuses: "generator already executing").
+    * *Failures*: an exception inside a step (the model raising, a ``KeyboardInterrupt``, a
+      ``MemoryError``) propagates to the call that ran the step. The requests the failed part
+      was serving are dropped: a failed prefill drops the requests being prefilled; a failed
+      decode step drops every running request, since their decode caches may be half-updated.
+      Another stream that owned a dropped request raises ``RuntimeError`` (caused by the
+      original exception) once its queued tokens are read. The slot allocator and the tree's
+      locks are then rebuilt from what survives (the tree and the running requests), so no
+      slot is leaked or both free and cached, no lock is left behind, and later requests are
+      exact.
 
     Examples:
         >>> from mlxcache.bench import make_model     # a tiny random llama, or mlx_lm.load(path)
@@ -329,6 +407,20 @@ class Engine:
         [0, 0, 1, 1]
         >>> engine.num_free_slots + engine.tree.total_size   # every slot is free or cached
         127
+
+        Two streams read alternately, with a ``generate`` between reads: each gets what the
+        same prompts get served together.
+
+        >>> want = engine.generate([[5, 6, 7], [8, 9]], max_tokens=3)
+        >>> a, b = engine.stream([[5, 6, 7]], max_tokens=3), engine.stream([[8, 9]], max_tokens=3)
+        >>> got_a, got_b = [next(a)[1]], [next(b)[1]]
+        >>> got_a.append(next(a)[1])
+        >>> engine.generate([[8, 9]], max_tokens=3) == [want[1]]
+        True
+        >>> got_b += [t for _, t in b]                 # b to its end while a is still open
+        >>> got_a += [t for _, t in a]
+        >>> [got_a, got_b] == want, engine.tree.protected_size   # nothing left locked
+        (True, 0)
     """
 
     def __init__(
@@ -343,16 +435,18 @@ class Engine:
         prefix_cache: bool = True,
         prefill_step_size: int = 2048,
     ):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        if not 0 < mem_fraction <= 1:
-            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction!r}")
-        if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 2):
-            raise ValueError(f"num_slots must be an int >= 2 or None, got {num_slots!r}")
-        if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be an int >= 1, got {prefill_step_size!r}")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
+                             f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
+        opts = _check_options(num_slots, page_size, mem_fraction, max_batch_size,
+                              prefill_step_size, prefix_cache)
+        num_slots, mem_fraction, prefix_cache = (
+            opts["num_slots"], opts["mem_fraction"], opts["prefix_cache"])
+        page_size, max_batch_size, prefill_step_size = (
+            opts["page_size"], opts["max_batch_size"], opts["prefill_step_size"])
+        # The tokenizer's EOS ids, whichever form it keeps them in (mlx-lm: a set; Hugging
+        # Face: an int, a list or None; transformers 5 may give eos_token_ids as an int).
+        self._eos = eos_token_ids(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.page_size = page_size
@@ -402,6 +496,15 @@ class Engine:
                 heads, head_dim, dtype, page_size,
             )  # fmt: skip
 
+        # One scheduler for every stream (see the class docstring): the waiting queue, the
+        # decode groups (batched: the one running batch), and the lock that serializes threads.
+        self._waiting: deque[_Request] = deque()
+        self._batch = self._groups = None
+        self._new_groups()
+        self._lock = threading.RLock()
+        self._stepping = False  # a step is running (in the thread holding the lock)
+        self._closed_in_step: list[_Stream] = []  # streams finalized by the GC inside a step
+
     @staticmethod
     def _warn(message: str) -> None:
         warnings.warn(f"mlxcache: {message}", ReuseDisabledWarning, stacklevel=3)
@@ -424,10 +527,32 @@ class Engine:
         return self._tree
 
     def reset_cache(self) -> None:
-        """Forget every cached prefix (between calls)."""
-        if self._tree is not None:
-            self._tree.reset()
-            self._alloc = init_allocator(self._pool.num_slots)
+        """Forget every cached prefix that no running request holds: evict all that is
+        evictable and free its slots.
+
+        Safe at any point, streams open or not: a running request's locked prefix stays until
+        the request finishes (then it and its answer are cached as usual); requests that have
+        not started hold nothing. With nothing running, the tree ends empty and every slot is
+        free. Not counted in ``stats.token_evictions``.
+
+        Examples:
+            >>> from mlxcache.bench import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> events = engine.stream([[1, 2, 3, 4]], max_tokens=4)
+            >>> _ = next(events)                          # running: its prompt is locked
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.tree.protected_size
+            (4, 4)
+            >>> _ = list(events)                          # finished: prompt + answer cached
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.num_free_slots
+            (0, 63)
+        """
+        with self._serialized():
+            if self._tree is not None:
+                freed = self._tree.evict(self._tree.evictable_size)
+                if freed:
+                    self._alloc = free(self._alloc, freed)
 
     # -------------------------------------------------------------------------- API ----
 
@@ -454,10 +579,11 @@ class Engine:
             >>> [len(o) for o in outs]
             [2, 3]
         """
-        out: list[list[int]] = [[] for _ in prompts]
-        for i, token in self.stream(
+        reqs = self._make_requests(
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
-        ):
+        )
+        out: list[list[int]] = [[] for _ in reqs]
+        for i, token in self._run(reqs):
             out[i].append(token)
         return out
 
@@ -474,21 +600,29 @@ class Engine:
         """Yield ``(prompt_index, token)`` as tokens are produced, all prompts concurrently.
 
         Args:
-            prompts: token id lists, or strings (needs a tokenizer).
+            prompts: a list (or any iterable, read once) of prompts, each a list or 1-D int
+                array of token ids, or a string (needs a tokenizer); one prompt alone is
+                ``[prompt]``.
             max_tokens: >= 1 tokens per request.
             temperature: 0 is greedy.
             top_p: nucleus filter mass (1.0 = off).
             top_k: top-k filter (0 = off).
             seed: per-request reproducible sampling (None: MLX's global generator).
-            stop_token_ids: finish a request on any of these (default: the tokenizer's EOS).
+            stop_token_ids: finish a request on any of these: one id or a list (default: the
+                tokenizer's EOS ids).
 
-        All inputs are checked before any work starts (ValueError naming the bad value).
-        Stopping the iteration early releases the requests cleanly.
+        Every sampling argument and ``max_tokens`` is one value for all prompts or a list (or
+        1-D NumPy array) with one per prompt. All inputs are checked before any work starts,
+        for the type and range they have on the device (int32 ids and counts, float32
+        settings): a ValueError names the bad value; nothing is rounded or coerced.
+        The requests join the engine at the stream's first ``next``; closing the stream
+        (``close()``, leaving a ``for`` loop, dropping it) releases those not finished. See the
+        class docstring for interleaving streams, threads and failures.
         """
         reqs = self._make_requests(
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
         )
-        return self._serve(reqs)
+        return self._run(reqs)
 
     # ------------------------------------------------------------------- validation ----
 
@@ -498,19 +632,11 @@ class Engine:
                 raise ValueError(f"prompt {i} is text but the engine has no tokenizer")
             bos = getattr(self.tokenizer, "bos_token", None)
             special = bos is None or not prompt.startswith(bos)
-            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=special))
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=special)
+        if plain_ints(prompt, self.vocab_size) and prompt:
+            tokens = list(prompt)  # a copy: the caller may change theirs while this waits
         else:
-            tokens = list(prompt)
-        if not tokens:
-            raise ValueError(f"prompt {i} is empty")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
-                raise ValueError(f"prompt {i}: token {t!r} is not an int")
-            if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(
-                    f"prompt {i}: token id {int(t)} is out of the vocabulary [0, {self.vocab_size})"
-                )
-        tokens = [int(t) for t in tokens]
+            tokens = token_ids(f"prompt {i}", prompt, self.vocab_size)
         if self.reuse and len(tokens) > self.num_slots - 1:
             raise ValueError(
                 f"prompt {i} has {len(tokens)} tokens but the KV pool holds at most "
@@ -521,28 +647,25 @@ class Engine:
     def _make_requests(
         self, prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
     ) -> list[_Request]:
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r:.80}")
+        prompts = prompt_list(prompts)  # read once: a generator is not read twice
         n = len(prompts)
         tokens = [self._encode(i, p) for i, p in enumerate(prompts)]
-        maxes = _listify("max_tokens", max_tokens, n)
-        for i, m in enumerate(maxes):
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_tokens must be an int >= 1, got {m!r} (prompt {i})")
-        params = [
-            SamplingParams(temperature=t, top_p=p, top_k=k, seed=s)
-            for t, p, k, s in zip(
-                _listify("temperature", temperature, n),
-                _listify("top_p", top_p, n),
-                _listify("top_k", top_k, n),
-                _listify("seed", seed, n),
-                strict=True,
-            )
+        maxes = [
+            check_int("max_tokens" if not _per_prompt(max_tokens) else f"max_tokens[{i}]", m, 1)
+            for i, m in enumerate(_listify("max_tokens", max_tokens, n))
         ]
-        if stop_token_ids is None:
-            stop_token_ids = getattr(self.tokenizer, "eos_token_ids", None) or ()
-        stop = frozenset(int(t) for t in stop_token_ids)
-        now = time.perf_counter()
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        columns = {name: _listify(name, value, n) for name, value in given.items()}
+        params = []
+        for i in range(n):
+            try:
+                params.append(SamplingParams(**{name: col[i] for name, col in columns.items()}))
+            except ValueError as e:
+                where = f"prompt {i}: " if any(map(_per_prompt, given.values())) else ""
+                raise ValueError(f"{where}{e}") from None
+        stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, self.vocab_size)
+        keys = [None if p.seed is None else mx.random.key(p.seed) for p in params]
+        mx.eval(_arrays_in(keys))  # built in the caller's thread: evaluated, any thread uses it
         return [
             _Request(
                 index=i,
@@ -550,51 +673,209 @@ class Engine:
                 max_tokens=maxes[i],
                 params=params[i],
                 stop=stop,
-                arrival=now,
-                key=None if params[i].seed is None else mx.random.key(params[i].seed),
+                key=keys[i],
             )
             for i in range(n)
         ]
 
     # --------------------------------------------------------------------- serving ----
+    #
+    # One scheduler serves every open stream. The waiting queue and the decode groups are the
+    # engine's; each request knows the stream that owns it, and a step pushes every token it
+    # produces onto its owner's queue. A reader that needs a token runs steps until its queue
+    # has one; those steps advance every other open request too. So no request ever waits on
+    # a stream nobody reads: reading any one moves them all.
 
-    def _serve(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
-        waiting = deque(reqs)
-        batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
-        groups: list[_Group] = [batch] if self.batched else []
-        admitted: list[_Request] = []
+    @contextmanager
+    def _serialized(self) -> Iterator[None]:
+        """Hold the engine's lock (threads take turns), refusing a call from inside a step."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError(
+                    "mlxcache: the engine was called from inside one of its own steps (by the "
+                    "model or the tokenizer?); it serves one step at a time"
+                )
+            yield
+
+    def _run(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
+        """The generator behind ``stream`` and ``generate``: ``(prompt index, token)``."""
+        stream = _Stream(reqs)
         try:
-            while waiting or any(g.reqs for g in groups):
-                running = sum(len(g.reqs) for g in groups)
-                prefill = self._admit_batch(waiting, running)
-                if prefill:
-                    admitted.extend(prefill)
-                    caches = self._prefill(prefill)
-                    for row, req in enumerate(prefill):
-                        yield req.index, req.output[-1]
-                        if req.done:
-                            self._finish(req, None)
-                        else:
-                            self._join(req, caches, row, batch, groups)
-                elif running == 0:
-                    req = waiting[0]
-                    raise PoolExhausted(len(req.tokens), self.num_free_slots)
-                for group in groups:
-                    if group.reqs:
-                        yield from self._decode_step(group)
-                groups = [g for g in groups if g.reqs or g is batch]
+            with self._serialized():
+                now = time.perf_counter()
+                for r in reqs:
+                    r.owner, r.arrival, r.state = stream, now, "waiting"
+                self._waiting.extend(reqs)
+            while True:
+                with self._serialized():
+                    while not stream.queue and stream.error is None and stream.live:
+                        if not self._step():
+                            raise RuntimeError(  # a bug, not a user error: say so, never hang
+                                "mlxcache: internal error: a stream has live requests but the "
+                                "engine has nothing to run"
+                            )
+                    if not stream.queue:
+                        if stream.error is not None:
+                            lost = [r.index for r in reqs if r.state == "aborted"]
+                            raise RuntimeError(
+                                f"mlxcache: request(s) {lost} of this stream were dropped: a "
+                                f"step serving them failed ({stream.error!r})"
+                            ) from stream.error
+                        return
+                    event = stream.queue.popleft()
+                yield event
         finally:
-            self._release(admitted)
+            self._close(stream)
 
-    def _release(self, reqs: list[_Request]) -> None:
-        """Give back what unfinished requests hold (on error or early stop)."""
-        for req in reqs:
-            if req.pending:
-                self._alloc = free(self._alloc, req.pending)
-                req.pending = []
-            if req.node is not None:
-                self._tree.unlock(req.node)
-                req.node = None
+    def _close(self, stream: _Stream) -> None:
+        """Release what the stream's unfinished requests hold (it was closed or dropped)."""
+        with self._lock:
+            if self._stepping:  # the GC finalized it inside a step: release after the step
+                self._closed_in_step.append(stream)
+            else:
+                self._cancel(stream)
+
+    def _cancel(self, stream: _Stream) -> None:
+        try:
+            for req in stream.reqs:
+                if req.state == "waiting":
+                    self._waiting.remove(req)
+                    req.state = "cancelled"
+                elif req.state == "running":
+                    self._finish(req, req.group, publish=False, state="cancelled")
+            self._settle()
+        except BaseException as e:  # removing a row failed half-way: the caches are suspect
+            self._abort(e, stream.reqs, groups=True)
+            raise
+
+    def _step(self) -> bool:
+        """One round: admit and prefill a batch if one fits, then one decode step of every
+        group. False if there was nothing to do."""
+        self._stepping = True
+        try:
+            prefilled = self._admit_and_prefill()
+            decoded = False
+            for group in list(self._groups):
+                if group.reqs:
+                    decoded = True
+                    try:
+                        self._decode_step(group)
+                    except BaseException as e:
+                        self._abort(e, [], groups=True)
+                        raise
+            self._settle()
+            return prefilled or decoded
+        finally:
+            self._stepping = False
+            while self._closed_in_step:
+                self._cancel(self._closed_in_step.pop())
+
+    def _admit_and_prefill(self) -> bool:
+        batch: list[_Request] = []
+        try:
+            self._admit_batch(batch)
+            if not batch:
+                if self._waiting and not self._num_running():
+                    # Unreachable while every prompt fits the pool (checked at the door):
+                    # with nothing running nothing is locked, so all slots are free or
+                    # evictable. Drop the request rather than retry it forever.
+                    req = self._waiting[0]
+                    need = len(req.tokens) - len(self._tree.match_prefix(req.tokens)[0])
+                    err = PoolExhausted(
+                        need, self.num_free_slots + self._tree.evictable_size, what=POOL_NAME
+                    )
+                    self._abort(err, [req], groups=False)
+                    raise err
+                return False
+            caches = self._prefill(batch)
+        except BaseException as e:
+            self._abort(e, batch, groups=False)
+            raise
+        try:
+            for row, req in enumerate(batch):
+                self._emit(req, req.output[-1])
+                if req.done:
+                    self._finish(req, None)
+                else:
+                    self._join(req, caches, row)
+        except BaseException as e:  # a half-joined row: the running batch's caches are suspect
+            self._abort(e, batch, groups=True)
+            raise
+        return True
+
+    def _emit(self, req: _Request, token: int) -> None:
+        req.owner.queue.append((req.index, token))
+
+    def _num_running(self) -> int:
+        return sum(len(g.reqs) for g in self._groups)
+
+    def _new_groups(self) -> None:
+        """Empty decode groups: batched, the one running batch; else one group per request."""
+        self._batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
+        self._groups = [self._batch] if self.batched else []
+
+    def _abort(self, exc: BaseException, reqs: list[_Request], groups: bool) -> None:
+        """After an exception inside a step: drop ``reqs`` and, with ``groups``, every running
+        request (their decode caches may be half-updated), then rebuild the allocator and the
+        tree's locks from what survives, so that wherever the exception struck, no slot is
+        leaked, none is both free and cached, and no lock is left behind."""
+        dropped = list(reqs)
+        if groups:
+            dropped += [r for g in self._groups for r in g.reqs]
+            self._new_groups()
+        for req in dropped:
+            if req.state not in _LIVE:
+                continue
+            if req.state == "waiting":
+                self._waiting.remove(req)
+            req.state, req.group = "aborted", None
+            if req.owner.error is None:
+                req.owner.error = exc
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Rebuild the slot bookkeeping from the tree and the running requests (the only
+        holders left after ``_abort``): locks are what running requests hold, free slots are
+        all those the tree does not hold."""
+        for req in self._waiting:  # a waiting request holds nothing (an admission may have
+            req.node, req.cached, req.tree_slots, req.pending = None, 0, [], []  # been cut)
+        if not self.reuse:
+            self._settle()
+            return
+        mx.async_eval(self._pool)  # the fault may have struck between a write and its eval
+        self._tree.release_locks()
+        running = [r for g in self._groups for r in g.reqs]
+        try:
+            for req in running:
+                self._tree.lock(req.node)
+        except ValueError:  # a node lost from the tree: drop every running request too
+            for req in running:
+                req.state, req.group, req.node = "aborted", None, None
+                if req.owner.error is None:
+                    req.owner.error = RuntimeError("mlxcache: a running prefix was lost")
+            self._new_groups()
+            self._tree.release_locks()
+        self._settle()
+        n = self.num_slots
+        held = np.zeros(n, dtype=bool)
+        held[0] = True  # the sink is never free
+        held[self._tree.all_slots()] = True
+        everything, _, _ = alloc(init_allocator(n), n - 1)
+        self._alloc = free(everything, np.flatnonzero(~held))
+
+    def _settle(self) -> None:
+        """Schedule every array the engine keeps between calls (``mx.async_eval``: no wait, so
+        the decode pipelining stays). MLX (>= 0.31.2) ties an array that is not yet scheduled
+        to the stream of the thread that built it, and another thread evaluating it fails
+        ("There is no Stream(cpu, N) in current thread"); a scheduled one any thread may wait
+        on. So the next call gets only scheduled arrays, whichever thread makes it. (The pool
+        is evaluated after each write already.)"""
+        arrays = []
+        for group in self._groups:
+            arrays.append(group.feed)
+            arrays.extend(c.state for c in group.caches)
+            arrays.extend(r.key for r in group.reqs)
+        mx.async_eval(_arrays_in(arrays))
 
     def _alloc_slots(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
@@ -603,21 +884,23 @@ class Engine:
             freed = self._tree.evict(n - self._alloc.num_free)
             if freed:
                 self._alloc = free(self._alloc, freed)
-                self.stats.evictions += len(freed)
+                self.stats.token_evictions += len(freed)
             a, slots, ok = alloc(self._alloc, n)
             if not ok:
                 return None
         self._alloc = a
         return slots
 
-    def _admit_batch(self, waiting: deque[_Request], running: int) -> list[_Request]:
-        """Take the next prefill batch off ``waiting`` (maybe empty: the pool is full)."""
-        batch: list[_Request] = []
+    def _admit_batch(self, batch: list[_Request]) -> None:
+        """Move the next prefill batch from the waiting queue into ``batch`` (maybe none: the
+        pool is full). ``batch`` is filled in place so that an exception part-way leaves every
+        reserved request in it, for ``_abort`` to drop."""
         widest = 0
-        while waiting and running + len(batch) < self.max_batch_size:
-            req = waiting[0]
-            match = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
-            cached = min(len(match[0]), len(req.tokens) - 1)  # a full hit recomputes 1 token
+        running = self._num_running()
+        while self._waiting and running + len(batch) < self.max_batch_size:
+            req = self._waiting[0]
+            slots, node = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
+            cached = min(len(slots), len(req.tokens) - 1)  # a full hit recomputes 1 token
             todo = len(req.tokens) - cached
             if batch and (
                 not self.batched
@@ -625,12 +908,12 @@ class Engine:
                 or self._shares_uncached(req, cached, batch)
             ):
                 break
-            if self.reuse and not self._reserve(req, match, cached):
+            if self.reuse and not self._reserve(req, slots, node, cached):
                 break
-            waiting.popleft()
             batch.append(req)
+            self._waiting.popleft()
+            req.state = "prefill"
             widest = max(widest, todo)
-        return batch
 
     def _shares_uncached(self, req: _Request, cached: int, batch: list[_Request]) -> bool:
         """Would ``req`` reuse enough of a batch member's prompt, once it is inserted?"""
@@ -640,15 +923,15 @@ class Engine:
             other.tokens[: cached + want] == head for other in batch
         )
 
-    def _reserve(self, req: _Request, match: tuple[list[int], TreeNode], cached: int) -> bool:
-        """Lock the matched prefix and allocate the new tokens' slots; False to wait."""
-        slots, node = match
+    def _reserve(self, req: _Request, slots: list[int], node: TreeNode, cached: int) -> bool:
+        """Lock the matched prefix and allocate slots for the tokens the tree lacks; False to
+        wait. A full hit needs none: the token it recomputes is in the tree already."""
         self._tree.lock(node)
-        new = self._alloc_slots(len(req.tokens) - cached)
+        new = self._alloc_slots(len(req.tokens) - len(slots))
         if new is None:
             self._tree.unlock(node)
             return False
-        req.node, req.tree_slots, req.cached, req.pending = node, slots[:cached], cached, new
+        req.node, req.tree_slots, req.cached, req.pending = node, slots, cached, new
         return True
 
     def _prefill(self, reqs: list[_Request]) -> list[Any]:
@@ -661,7 +944,7 @@ class Engine:
         if not self.plain_kv:
             caches = make_prompt_cache(self.model)
         elif self.reuse:
-            prefixes = [r.tree_slots for r in reqs]
+            prefixes = [r.tree_slots[: r.cached] for r in reqs]
             caches = [
                 RaggedKVCache.from_pool(self._pool, layer, prefixes)
                 for layer in range(self.num_layers)
@@ -693,21 +976,23 @@ class Engine:
         s.requests += len(reqs)
         s.prompt_tokens += sum(len(r.tokens) for r in reqs)
         s.cached_tokens += sum(r.cached for r in reqs)
-        s.prefill_tokens_computed += sum(map(len, todo))
-        s.prefill_time_s += toc - tic
-        s.ttft_total_s += sum(toc - r.arrival for r in reqs)
+        s.prefill_tokens += sum(map(len, todo))
+        s.prefill_seconds += toc - tic
+        s.ttft.extend(toc - r.arrival for r in reqs)
         return caches
 
     def _publish_prompts(self, reqs: list[_Request], caches: list[RaggedKVCache]) -> None:
         """Write the new K/V to the pool, insert the prompts, move each lock onto its prompt."""
-        rows = [[c.row(i, r.cached) for i, r in enumerate(reqs)] for c in caches]
-        self._pool = set_kv_all_layers(
-            self._pool,
-            mx.array([s for r in reqs for s in r.pending], dtype=mx.int32),
-            [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
-            [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
-        )
-        mx.eval(self._pool)
+        new = [(i, r) for i, r in enumerate(reqs) if r.pending]  # a full hit writes nothing
+        if new:
+            rows = [[c.row(i, len(r.tree_slots)) for i, r in new] for c in caches]
+            self._pool = set_kv_all_layers(
+                self._pool,
+                mx.array([s for _, r in new for s in r.pending], dtype=mx.int32),
+                [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
+                [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
+            )
+            mx.eval(self._pool)
         for req in reqs:
             self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
             req.pending = []
@@ -728,25 +1013,24 @@ class Engine:
         if drop:
             self._alloc = free(self._alloc, drop)
 
-    def _join(
-        self, req: _Request, caches: list[Any], row: int, batch: _Group, groups: list[_Group]
-    ) -> None:
+    def _join(self, req: _Request, caches: list[Any], row: int) -> None:
         """Put a prefilled request (row ``row`` of ``caches``) into the running batch, or,
         unbatched, into a group of its own."""
         if not self.plain_kv:  # mlx-lm's own caches, one request
             group = _Group(caches)
-            groups.append(group)
+            self._groups.append(group)
         else:
             if self.batched:
-                group = batch
+                group = self._batch
             else:
                 group = _Group([RaggedKVCache() for _ in caches])
-                groups.append(group)
+                self._groups.append(group)
             for dst, src in zip(group.caches, caches, strict=True):
                 dst.add_row(*src.row(row))
         group.add(req)
+        req.group, req.state = group, "running"
 
-    def _decode_step(self, group: _Group) -> Iterator[tuple[int, int]]:
+    def _decode_step(self, group: _Group) -> None:
         """One forward for the group; emits the tokens sampled by the *previous* step.
 
         The step's own samples stay on the device (``mx.async_eval``) and feed the next step,
@@ -760,13 +1044,13 @@ class Engine:
         group.unread = [True] * len(group.reqs)
         mx.async_eval(group.feed)
         fed = feed.tolist()
-        self.stats.decode_time_s += time.perf_counter() - tic
+        self.stats.decode_seconds += time.perf_counter() - tic
         finished = []
         for req, token, new in zip(list(group.reqs), fed, unread, strict=True):
             if new:
                 req.output.append(token)
                 self.stats.decode_tokens += 1
-                yield req.index, token
+                self._emit(req, token)
                 if req.done:
                     finished.append(req)
         # Last rows first: a finished row at the end leaves without moving another row.
@@ -783,19 +1067,25 @@ class Engine:
                 keys.append(None)
         return sample(logits, [r.params for r in reqs], keys)
 
-    def _finish(self, req: _Request, group: _Group | None) -> None:
-        """Cache prompt + answer (when there is room), leave the batch, drop the lock."""
+    def _finish(
+        self, req: _Request, group: _Group | None, publish: bool = True, state: str = "done"
+    ) -> None:
+        """Cache prompt + answer (when there is room and ``publish``), leave the group, drop
+        the lock."""
         if group is not None:
             row = group.reqs.index(req)
-            if self.reuse:
+            if self.reuse and publish:
                 self._publish_answer(req, group, row)
             if isinstance(group.caches[0], RaggedKVCache):
                 for c in group.caches:
                     c.remove_row(row)
             group.remove(row)
+            if not group.reqs and group is not self._batch:
+                self._groups.remove(group)
         if req.node is not None:
             self._tree.unlock(req.node)
             req.node = None
+        req.state, req.group = state, None
 
     def _publish_answer(self, req: _Request, group: _Group, row: int) -> None:
         """Write the generated tokens' K/V (all but the last, never fed back) to the pool."""

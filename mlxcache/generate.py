@@ -5,6 +5,10 @@ with ``mlx_lm.load`` (a local directory: config.json, safetensors weights, token
 nothing is downloaded) and serves every prompt concurrently, sharing cached prefixes. One
 prompt streams its text as it is generated; several print one completion each, in order.
 
+Every flag is checked before the model is loaded, for the same ranges the engine checks; a bad
+flag, a directory that does not load, or a prompt the engine refuses ends the program with a
+one-line message naming it (``SystemExit``, exit status 1), not a traceback.
+
 Example:
     $ python -m mlxcache.generate --model ./tiny-llama --prompt "hello world" --max-tokens 16
 """
@@ -18,13 +22,28 @@ from pathlib import Path
 
 from mlx_lm import load
 
-from mlxcache.engine import Engine
+from mlxcache.engine import Engine, _check_options
+from mlxcache.pool import PoolExhausted
+from servecore.sampling import SamplingParams
+from servecore.validate import check_int, eos_token_ids
+
+PROG = "python -m mlxcache.generate"
+
+# The flag behind each checked name, so that an error names what the user typed.
+_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "num_slots": "--num-slots",
+    "page_size": "--page-size",
+    "mem_fraction": "--mem-fraction",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m mlxcache.generate", description=__doc__.split("\n\n")[0]
-    )
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local mlx-lm model directory")
     p.add_argument(
         "--prompt", required=True, action="append", help="prompt text (repeat for several)"
@@ -52,13 +71,40 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int] | str:
     return text
 
 
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"{PROG}: error: {message}")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Check every flag before anything is loaded: SystemExit naming the first bad one."""
+    try:
+        check_int("max_tokens", args.max_tokens, 1)
+        SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        _check_options(args.num_slots, args.page_size, args.mem_fraction, max_batch_size=1,
+                       prefill_step_size=1, prefix_cache=True)
+    except ValueError as e:
+        name, _, rest = str(e).partition("=")
+        raise _fail(f"{_FLAGS[name]}={rest}" if name in _FLAGS else str(e)) from None
+    if not Path(args.model).is_dir():
+        raise _fail(f"--model {args.model!r} is not a directory (local checkpoints only)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_flags(args)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    if not Path(args.model).is_dir():
-        raise SystemExit(f"--model {args.model!r} is not a directory (local checkpoints only)")
-    model, tokenizer = load(args.model)
+    try:
+        model, tokenizer = load(args.model)
+    except Exception as e:  # whatever the loader met, the directory is the problem
+        raise _fail(f"cannot load --model {args.model!r}: {type(e).__name__}: {e}") from None
+    try:
+        _serve(args, model, tokenizer)
+    except (ValueError, PoolExhausted) as e:  # a prompt or setting the engine refused
+        raise _fail(str(e)) from None
+
+
+def _serve(args: argparse.Namespace, model, tokenizer) -> None:
     engine = Engine(
         model,
         tokenizer,
@@ -66,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         page_size=args.page_size,
         mem_fraction=args.mem_fraction,
     )
+    eos = eos_token_ids(tokenizer)
     prompts = [_encode(tokenizer, p, not args.ignore_chat_template) for p in args.prompt]
     sampling = dict(
         max_tokens=args.max_tokens,
@@ -78,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         detok = tokenizer.detokenizer
         detok.reset()
         for _, token in engine.stream(prompts, **sampling):
-            if token in tokenizer.eos_token_ids:
+            if token in eos:
                 break
             detok.add_token(token)
             print(detok.last_segment, end="", flush=True)
@@ -86,14 +133,14 @@ def main(argv: list[str] | None = None) -> None:
         print(detok.last_segment, flush=True)
     else:
         for i, tokens in enumerate(engine.generate(prompts, **sampling)):
-            text = tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
+            text = tokenizer.decode([t for t in tokens if t not in eos])
             print(f"[{i}] {text}", flush=True)
     if args.verbose:
         s = engine.stats
         print(
             f"requests {s.requests}, prompt tokens {s.prompt_tokens} ({s.hit_rate:.0%} cached), "
-            f"prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} "
-            f"tok/s, mean TTFT {s.ttft * 1e3:.1f} ms",
+            f"prefill {s.effective_prefill_tok_s:.1f} tok/s ({s.prefill_tok_s:.1f} computed), "
+            f"decode {s.decode_tok_s:.1f} tok/s, mean TTFT {s.mean_ttft * 1e3:.1f} ms",
             file=sys.stderr,
         )
 

@@ -13,11 +13,20 @@ drop the old pool) to make a write cost O(tokens written) rather than O(pool siz
     new = set_kv(pool, layer, slots, k, v)    # `pool` still held: the write copies the layer
 
 The pool functions check shapes on the host and then use only pure MLX ops
-(``put_along_axis``/``take``), so they also work under ``mx.compile``. Slot *values* are not
-range-checked (that would need a device sync); the allocator guarantees them.
+(``put_along_axis``/``take``), so they also work under ``mx.compile``. Slots given on the host
+(a list of ints or a NumPy int array) are checked to lie in ``[0, num_slots)``; a float or a
+bool is an error, never rounded. Slots given as an ``mx.array`` must have an integer dtype, but
+their *values* are not range-checked (that would need a device sync): the allocator guarantees
+them.
 
 The allocator (``SlotAllocator``) is a free stack in a read-only numpy array: ``alloc`` of
-``n`` slots is O(n) (a view of the stack), ``free`` is O(num_slots) (vectorised numpy).
+``n`` slots is O(n) (a view of the stack), ``free`` is O(num_slots) (vectorised numpy). When
+too few slots are free, ``alloc`` says so (``ok`` is False) and the caller evicts or raises
+``PoolExhausted``: ``servecore.PoolExhausted``, the class both engines raise, which names this
+pool ``POOL_NAME``:
+
+>>> str(PoolExhausted(requested=5, available=2, what=POOL_NAME))
+'KV pool slots exhausted: requested 5, 2 available'
 """
 
 from __future__ import annotations
@@ -28,10 +37,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from mlxcache._checks import plain_ints
+from servecore.errors import PoolExhausted
+from servecore.validate import INT32_MAX, check_int, is_int
+
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float
 
 __all__ = [
+    "POOL_NAME",
     "KVPool",
     "PoolExhausted",
     "SlotAllocator",
@@ -39,6 +53,7 @@ __all__ = [
     "bytes_per_token_slot",
     "free",
     "get_kv",
+    "host_slots",
     "init_allocator",
     "init_pool",
     "set_kv",
@@ -135,15 +150,12 @@ def init_pool(
         >>> pool.keys[0].shape
         (8, 4, 16)
     """
-    for name, value, low in (
-        ("num_layers", num_layers, 1),
-        ("num_slots", num_slots, 2),
-        ("n_kv_heads", n_kv_heads, 1),
-        ("head_dim", head_dim, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            hint = " (slot 0 is the padding sink)" if name == "num_slots" else ""
-            raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+    num_layers = check_int("num_layers", num_layers, 1)
+    num_slots = _check_num_slots(num_slots)
+    n_kv_heads = check_int("n_kv_heads", n_kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
+    if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
+        raise ValueError(f"dtype={dtype!r} must be a floating mlx dtype (mx.float16, ...)")
     shape = (num_slots, n_kv_heads, head_dim)
     return KVPool(
         keys=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
@@ -151,15 +163,57 @@ def init_pool(
     )
 
 
+def _check_num_slots(num_slots: int) -> int:
+    # Slot ids travel as int32 on the device: the largest must fit.
+    if not is_int(num_slots) or not 2 <= int(num_slots) <= INT32_MAX:
+        raise ValueError(f"num_slots={num_slots!r} must be an int in [2, {INT32_MAX}] "
+                         "(slot 0 is the padding sink)")
+    return int(num_slots)
+
+
 def _check_layer(pool: KVPool, layer: int) -> None:
-    if not isinstance(layer, int | np.integer) or not 0 <= layer < pool.num_layers:
-        raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
+    if not is_int(layer) or not 0 <= layer < pool.num_layers:
+        raise ValueError(f"layer={layer!r} must be an int in [0, {pool.num_layers})")
 
 
-def _as_slots(slots: mx.array | Sequence[int]) -> mx.array:
-    """``slots`` as a 1-D integer ``mx.array`` ``[T]``."""
+def host_slots(name: str, slots: Sequence[int] | np.ndarray, num_slots: int) -> np.ndarray:
+    """Slot ids given on the host (a sequence of ints, or a 1-D NumPy int array) as an int64
+    array ``[T]``, each checked to lie in ``[0, num_slots)``; ValueError naming the bad one.
+
+    Examples:
+        >>> host_slots("slots", [0, 3], num_slots=4).tolist()
+        [0, 3]
+        >>> host_slots("slots", [1.9], num_slots=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: slots[0]=1.9 must be an int slot id in [0, 4)
+    """
+    if isinstance(slots, np.ndarray):
+        if slots.ndim != 1 or (slots.size and not np.issubdtype(slots.dtype, np.integer)):
+            raise ValueError(f"{name} must be a 1-D integer array [T], got shape "
+                             f"{slots.shape} dtype {slots.dtype}")
+        arr = slots.astype(np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr >= num_slots))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i}]={int(arr[i])} must be an int slot id in "
+                             f"[0, {num_slots})")
+        return arr
+    if plain_ints(slots, num_slots):
+        return np.asarray(slots, dtype=np.int64).reshape(-1)
+    if isinstance(slots, str | bytes) or not isinstance(slots, Sequence):
+        raise ValueError(f"{name} must be a list or 1-D integer array of slot ids, got "
+                         f"{type(slots).__name__}")
+    for i, s in enumerate(slots):
+        if not is_int(s) or not 0 <= s < num_slots:
+            raise ValueError(f"{name}[{i}]={s!r} must be an int slot id in [0, {num_slots})")
+    return np.asarray(slots, dtype=np.int64).reshape(-1)
+
+
+def _as_slots(pool: KVPool, slots: mx.array | np.ndarray | Sequence[int]) -> mx.array:
+    """``slots`` as a 1-D integer ``mx.array`` ``[T]`` (host slots range-checked)."""
     if not isinstance(slots, mx.array):
-        slots = mx.array(list(slots), dtype=mx.int32)
+        return mx.array(host_slots("slots", slots, pool.num_slots).astype(np.int32))
     if slots.ndim != 1 or not mx.issubdtype(slots.dtype, mx.integer):
         raise ValueError(
             f"slots must be a 1-D integer array [T], got shape {slots.shape} dtype {slots.dtype}"
@@ -197,7 +251,7 @@ def _replace_at(xs: tuple[mx.array, ...], i: int, x: mx.array) -> tuple[mx.array
 def set_kv(
     pool: KVPool,
     layer: int,
-    slots: mx.array | Sequence[int],
+    slots: mx.array | np.ndarray | Sequence[int],
     k: Float[mx.array, "T n_kv_heads head_dim"] | Float[mx.array, "1 n_kv_heads T head_dim"],
     v: Float[mx.array, "T n_kv_heads head_dim"] | Float[mx.array, "1 n_kv_heads T head_dim"],
 ) -> KVPool:
@@ -206,7 +260,8 @@ def set_kv(
     Args:
         pool: the pool to write into.
         layer: layer index in ``[0, num_layers)``.
-        slots: int ``[T]``; padded rows should point at slot 0.
+        slots: int ``[T]`` (an ``mx.array``, a NumPy int array or a list of ints); padded rows
+            should point at slot 0.
         k: keys ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``;
             cast to the pool's dtype.
         v: values, shaped as ``k``.
@@ -224,7 +279,7 @@ def set_kv(
         [[[1.0, 1.0]]]
     """
     _check_layer(pool, layer)
-    slots = _as_slots(slots)
+    slots = _as_slots(pool, slots)
     t = slots.shape[0]
     k = _as_rows(pool, "k", k, t)
     v = _as_rows(pool, "v", v, t)
@@ -236,7 +291,7 @@ def set_kv(
 
 def set_kv_all_layers(
     pool: KVPool,
-    slots: mx.array | Sequence[int],
+    slots: mx.array | np.ndarray | Sequence[int],
     ks: Sequence[mx.array],
     vs: Sequence[mx.array],
 ) -> KVPool:
@@ -244,7 +299,7 @@ def set_kv_all_layers(
 
     Args:
         pool: the pool to write into.
-        slots: int ``[T]``.
+        slots: int ``[T]`` (as for ``set_kv``).
         ks: ``num_layers`` key arrays, each ``[T, n_kv_heads, head_dim]`` or
             ``[1, n_kv_heads, T, head_dim]`` (as for ``set_kv``).
         vs: ``num_layers`` value arrays, shaped as ``ks``.
@@ -260,7 +315,7 @@ def set_kv_all_layers(
         raise ValueError(
             f"need one k and one v per layer ({pool.num_layers}), got {len(ks)} ks and {len(vs)} vs"
         )
-    slots = _as_slots(slots)
+    slots = _as_slots(pool, slots)
     t = slots.shape[0]
     ks = [_as_rows(pool, f"ks[{i}]", k, t) for i, k in enumerate(ks)]
     vs = [_as_rows(pool, f"vs[{i}]", v, t) for i, v in enumerate(vs)]
@@ -270,13 +325,15 @@ def set_kv_all_layers(
     )
 
 
-def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[mx.array, mx.array]:
+def get_kv(
+    pool: KVPool, layer: int, slots: mx.array | np.ndarray | Sequence[int]
+) -> tuple[mx.array, mx.array]:
     """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]``.
 
     Args:
         pool: the pool to read.
         layer: layer index in ``[0, num_layers)``.
-        slots: int ``[T]`` (a 1-D ``mx.array`` or a list); slot 0 reads the padding sink.
+        slots: int ``[T]`` (as for ``set_kv``); slot 0 reads the padding sink.
 
     Examples:
         >>> pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=2, head_dim=8)
@@ -285,7 +342,7 @@ def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[m
         (3, 2, 8)
     """
     _check_layer(pool, layer)
-    slots = _as_slots(slots)
+    slots = _as_slots(pool, slots)
     return mx.take(pool.keys[layer], slots, axis=0), mx.take(pool.values[layer], slots, axis=0)
 
 
@@ -293,19 +350,8 @@ def get_kv(pool: KVPool, layer: int, slots: mx.array | Sequence[int]) -> tuple[m
 # Slot allocator
 # --------------------------------------------------------------------------------------------
 
-
-class PoolExhausted(RuntimeError):
-    """More slots were requested than are free (after any eviction the caller tried).
-
-    Examples:
-        >>> str(PoolExhausted(requested=5, available=2))
-        'KV pool exhausted: requested 5 slots, 2 available'
-    """
-
-    def __init__(self, requested: int, available: int):
-        self.requested = requested
-        self.available = available
-        super().__init__(f"KV pool exhausted: requested {requested} slots, {available} available")
+POOL_NAME = "KV pool slots"
+"""What ``PoolExhausted`` calls this pool (see the module docstring)."""
 
 
 class SlotAllocator(NamedTuple):
@@ -341,10 +387,7 @@ def init_allocator(num_slots: int) -> SlotAllocator:
         >>> alloc(init_allocator(8), 3)[1]
         [1, 2, 3]
     """
-    if not isinstance(num_slots, int) or num_slots < 2:
-        raise ValueError(
-            f"num_slots must be an int >= 2 (slot 0 is the padding sink), got {num_slots!r}"
-        )
+    num_slots = _check_num_slots(num_slots)
     return SlotAllocator(
         free_slots=_frozen(np.arange(num_slots - 1, 0, -1, dtype=np.int64)), num_slots=num_slots
     )
@@ -364,8 +407,7 @@ def alloc(a: SlotAllocator, n: int) -> tuple[SlotAllocator, list[int] | None, bo
         >>> alloc(a, 2)[1:]
         (None, False)
     """
-    if not isinstance(n, int | np.integer) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    n = check_int("n", n, 0)
     if n > a.num_free:
         return a, None, False
     if n == 0:
@@ -392,7 +434,7 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
         arr = arr.astype(np.int64)
     else:
         items = list(slots)
-        bad = [s for s in items if not isinstance(s, int | np.integer)]
+        bad = [s for s in items if not is_int(s)]
         if bad:
             raise ValueError(f"slots must be integers, got {bad[:8]}")
         arr = np.asarray(items, dtype=np.int64)

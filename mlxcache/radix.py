@@ -18,6 +18,12 @@ never share a prefix. Each extra key has its own root.
 Recency is a monotonic counter (one tick per ``match_prefix`` / ``insert``), ties broken
 by node creation order, so eviction order is deterministic.
 
+Tokens are checked at the door: a list (or tuple, range) of ints, or a 1-D integer array
+(NumPy, MLX), each in the int32 range of token ids; a float, a bool or a nested list is a
+ValueError naming it. (An ``mx.array`` scalar hashes by identity, so a tree keyed by them
+would never match.) Slots are ints in the same range; an extra key is a hashable value that
+is not an array.
+
 Examples:
     >>> cache = RadixCache()
     >>> cache.insert([1, 2, 3], [10, 11, 12])
@@ -33,8 +39,43 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable, Sequence
+from typing import Any
+
+from mlxcache._checks import plain_ints
+from servecore.validate import INT32_MAX, is_int, token_ids
 
 __all__ = ["RadixCache", "TreeNode"]
+
+
+def _tokens(tokens: Any) -> Sequence[int]:
+    """``tokens`` as int token ids (int32 range), ValueError naming a bad one."""
+    if plain_ints(tokens, INT32_MAX + 1):
+        return tokens
+    return token_ids("tokens", tokens, vocab_size=INT32_MAX + 1, allow_empty=True)
+
+
+def _slots(slots: Any) -> Sequence[int]:
+    if plain_ints(slots, INT32_MAX + 1):
+        return slots
+    if isinstance(slots, str | bytes) or not (isinstance(slots, Sequence) or hasattr(
+            slots, "tolist")):
+        raise ValueError(f"slots must be a list of slot ids, got {type(slots).__name__}")
+    if not isinstance(slots, Sequence):  # a NumPy / MLX array
+        slots = slots.tolist()
+    for i, s in enumerate(slots):
+        if not is_int(s) or not 0 <= s <= INT32_MAX:
+            raise ValueError(f"slots[{i}]={s!r} must be an int slot id in [0, {INT32_MAX}]")
+    return [int(s) for s in slots]
+
+
+def _check_extra_key(extra_key: Any) -> None:
+    if hasattr(extra_key, "shape"):  # arrays compare elementwise and hash by identity
+        raise ValueError(f"extra_key must be a hashable value (str, int, tuple), not an array "
+                         f"({type(extra_key).__name__})")
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise ValueError(f"extra_key={extra_key!r} must be hashable (str, int, tuple)") from None
 
 
 class TreeNode:
@@ -122,9 +163,9 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int = 1):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        self.page_size = page_size
+        if not is_int(page_size) or not 1 <= page_size <= INT32_MAX:
+            raise ValueError(f"page_size={page_size!r} must be an int in [1, {INT32_MAX}]")
+        self.page_size = int(page_size)
         self.reset()
 
     # ---------------------------------------------------------------------------- state ----
@@ -225,7 +266,8 @@ class RadixCache:
             >>> slots, node.key
             ([10, 11], (1, 2))
         """
-        tokens = self._pages(tokens)
+        _check_extra_key(extra_key)
+        tokens = self._pages(_tokens(tokens))
         tick = next(self._clock)
         node = self._root(extra_key)
         node.last_access = tick
@@ -263,12 +305,14 @@ class RadixCache:
             >>> cache.match_prefix([1, 2, 3])[0]
             [10, 11, 22]
         """
+        tokens, slots = _tokens(tokens), _slots(slots)
+        _check_extra_key(extra_key)
         if len(tokens) != len(slots):
             raise ValueError(
                 f"tokens and slots must have the same length, got {len(tokens)} and {len(slots)}"
             )
         tokens = self._pages(tokens)
-        value = tuple(int(s) for s in slots[: len(tokens)])
+        value = tuple(slots[: len(tokens)])
         tick = next(self._clock)
         node = self._root(extra_key)
         node.last_access = tick
@@ -292,6 +336,8 @@ class RadixCache:
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """``node`` and its ancestors up to its root; ValueError if it is not in the tree."""
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"node={node!r} must be a TreeNode (from match_prefix)")
         path = []
         walk: TreeNode | None = node
         while walk is not None:
@@ -339,6 +385,50 @@ class RadixCache:
                 self._protected -= len(n.key)
                 self._evictable += len(n.key)
 
+    def release_locks(self) -> None:
+        """Drop every lock; the nodes and their slots stay, all of them evictable now.
+
+        Sizes are recounted from the nodes, so this also repairs counts left half-updated by
+        an interrupted ``lock`` / ``unlock``. A server that lost track of its running requests
+        (an exception inside a step) calls it, then locks again what its surviving requests
+        hold.
+
+        Examples:
+            >>> cache = RadixCache()
+            >>> cache.insert([1, 2], [10, 11])
+            0
+            >>> cache.lock(cache.match_prefix([1, 2])[1])
+            >>> cache.release_locks()
+            >>> cache.protected_size, cache.evictable_size
+            (0, 2)
+        """
+        total = 0
+        for node in self._nodes():
+            node.lock_ref = node.own_locks = 0
+            total += len(node.key)
+        self._evictable, self._protected = total, 0
+
+    def all_slots(self) -> list[int]:
+        """Every slot the tree holds (``total_size`` of them), in no particular order.
+
+        Examples:
+            >>> cache = RadixCache()
+            >>> cache.insert([1, 2], [10, 11]), cache.insert([1, 3], [10, 12])
+            (0, 1)
+            >>> sorted(cache.all_slots())
+            [10, 11, 12]
+        """
+        return [s for node in self._nodes() for s in node.value]
+
+    def _nodes(self) -> list[TreeNode]:
+        """Every node of every root (the roots included; their keys are empty)."""
+        out, stack = [], list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
     # ------------------------------------------------------------------------ eviction ----
 
     def evict(self, num_tokens: int) -> list[int]:
@@ -358,8 +448,8 @@ class RadixCache:
             >>> cache.evict(1)
             [12]
         """
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        if not is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
         heap = [
             (leaf.last_access, leaf.node_id, leaf)
             for root in self._roots.values()

@@ -1,8 +1,11 @@
 """Per-request sampling for a batch of logits: greedy, temperature, top-k, top-p, seeded.
 
-Every row has its own ``SamplingParams``. A row is sampled with the Gumbel-max trick
-(``argmax(logits / T + g)``, ``g`` standard Gumbel noise), after top-k and top-p filtering. A
-seeded row draws its noise from its own key chain (``next_key``), so its tokens depend only
+Every row has its own ``SamplingParams``: ``servecore.SamplingParams``, the class both engines
+take (checked at construction; ``.greedy`` also holds for temperatures and top-p values too
+small for float32). A greedy row is the argmax of its logits; any other row is sampled with the
+Gumbel-max trick (``argmax(logits / T + g)``, ``g`` standard Gumbel noise) after top-k and top-p
+filtering, and both filters keep at least the top token, so a row never samples from nothing.
+A seeded row draws its noise from its own key chain (``next_key``), so its tokens depend only
 on its seed and logits, never on which other requests share the batch; unseeded rows use MLX's
 global generator.
 
@@ -17,56 +20,16 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+from servecore.sampling import SamplingParams
 
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float, Int, UInt32
 
 __all__ = ["SamplingParams", "next_key", "sample"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens.
-
-    ``temperature == 0`` is greedy (argmax); ``top_k == 0`` and ``top_p == 1`` switch those
-    filters off; ``seed`` makes sampling reproducible per request. Bad values are a ValueError
-    naming them.
-
-    Examples:
-        >>> SamplingParams(temperature=0.8, top_p=0.9, seed=1).greedy
-        False
-        >>> SamplingParams(temperature=0.8, top_k=1).greedy     # one candidate: argmax
-        True
-        >>> SamplingParams(top_p=0.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: top_p must be in (0, 1], got 0.0
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the pick is the argmax (``temperature == 0`` or ``top_k == 1``): no noise
-        is drawn and no key is consumed."""
-        return self.temperature == 0 or self.top_k == 1
 
 
 def next_key(key: UInt32[mx.array, "2"]) -> tuple[mx.array, mx.array]:
@@ -84,6 +47,9 @@ def next_key(key: UInt32[mx.array, "2"]) -> tuple[mx.array, mx.array]:
         >>> use.shape, use.dtype
         ((2,), mlx.core.uint32)
     """
+    if not isinstance(key, mx.array) or key.shape != (2,) or key.dtype != mx.uint32:
+        what = f"shape {key.shape} dtype {key.dtype}" if isinstance(key, mx.array) else repr(key)
+        raise ValueError(f"key must be a uint32 [2] array (mx.random.key(seed)), got {what}")
     nxt, use = mx.random.split(key)
     return nxt, use
 
@@ -102,7 +68,9 @@ def _filter_top_p(logits: mx.array, top_p: mx.array) -> mx.array:
     probs = mx.softmax(logits, axis=-1)
     ordered = -mx.sort(-probs, axis=-1)
     before = mx.cumsum(ordered, axis=-1) - ordered  # mass strictly above each token
-    kept = mx.sum(before < top_p[:, None], axis=-1)  # >= 1: the top token always stays
+    # The top token's mass above it is 0, so it stays whenever top_p > 0; the floor keeps it
+    # also where top_p rounds to 0 in float32 (kept - 1 would then index the last token).
+    kept = mx.maximum(mx.sum(before < top_p[:, None], axis=-1), 1)
     threshold = mx.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
     return mx.where(probs >= threshold, logits, -mx.inf)
 
@@ -120,6 +88,8 @@ def sample(
         keys: one noise key per row (uint32 ``[2]``, from ``next_key``), or None for the
             global generator; ignored for greedy rows.
 
+    A ValueError names a mismatch between the rows of ``logits``, ``params`` and ``keys``.
+
     Examples:
         A seeded row draws the same token whatever shares its batch:
 
@@ -130,6 +100,15 @@ def sample(
         >>> batched[0].item(), batched[1].item() == alone[0].item()
         (1, True)
     """
+    if not isinstance(logits, mx.array) or logits.ndim != 2:
+        raise ValueError(f"logits must be a (B, V) array, got {getattr(logits, 'shape', logits)!r}")
+    b = logits.shape[0]
+    if len(params) != b or len(keys) != b:
+        raise ValueError(f"logits has {b} rows but params has {len(params)} and keys "
+                         f"{len(keys)} entries: give one of each per row")
+    bad = [p for p in params if not isinstance(p, SamplingParams)]
+    if bad:
+        raise ValueError(f"params must be SamplingParams, got {bad[0]!r}")
     logits = logits.astype(mx.float32)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -153,6 +132,4 @@ def sample(
         ]
     )
     picked = mx.argmax(sub + noise, axis=-1).astype(mx.int32)
-    out = greedy
-    out[rows] = picked
-    return out
+    return mx.put_along_axis(greedy, rows, picked, axis=0)

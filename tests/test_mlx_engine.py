@@ -235,7 +235,7 @@ def test_eviction_under_pressure_keeps_outputs_exact(model):
     prompts = [tokens(rng, 30) for _ in range(5)]
     out = engine.generate(prompts, max_tokens=4)
     assert out == [reference(model, p, 4) for p in prompts]
-    assert engine.stats.evictions > 0
+    assert engine.stats.token_evictions > 0
     assert_intact(engine)
     again = engine.generate(prompts[::-1], max_tokens=4)  # mixes hits with evicted prefixes
     assert again == out[::-1]
@@ -261,9 +261,11 @@ def test_long_prompts_prefill_in_chunks(llama_model):
     prompts = [prefix + tokens(rng, 2), tokens(rng, 3), prefix + tokens(rng, 4), tokens(rng, 2)]
     assert engine.generate(prompts, max_tokens=4) == [reference(llama_model, p, 4) for p in prompts]
     s = engine.stats
-    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens
     assert s.cached_tokens >= len(prefix) and 0 < s.hit_rate < 1
-    assert s.decode_tokens == 3 * len(prompts) and s.ttft > 0 and s.decode_tokens_per_s > 0
+    assert s.decode_tokens == 3 * len(prompts) and s.decode_tok_s > 0
+    assert len(s.ttft) == s.requests == len(prompts) and s.mean_ttft > 0
+    assert s.effective_prefill_tok_s > s.prefill_tok_s > 0
     assert_intact(engine)
 
 
@@ -283,7 +285,7 @@ def test_shared_prefix_workloads_match_mlx_lm(llama_model, prompts, num_slots, p
     out = engine.generate(prompts, max_tokens=3)
     assert out == [cached_reference(llama_model, p, 3) for p in prompts]
     s = engine.stats
-    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens_computed == sum(map(len, prompts))
+    assert s.prompt_tokens == s.cached_tokens + s.prefill_tokens == sum(map(len, prompts))
     assert_intact(engine)
 
 
@@ -302,7 +304,7 @@ def test_each_prompt_reuses_its_longest_cached_prefix(llama_model, prompts, page
         want = min(len(p) - 1, ref_longest_prefix(cached, p, page_size))
         assert engine.stats.cached_tokens - before == want
         cached += [p, p + out[:-1]]  # the last token was never fed back: not cached
-    assert engine.stats.evictions == 0
+    assert engine.stats.token_evictions == 0
     assert_intact(engine)
 
 
@@ -436,14 +438,24 @@ def test_stop_tokens_end_a_request(llama_model):
     "prompts, kwargs, match",
     [
         ([[]], {}, "prompt 0 is empty"),
-        ([[1, 2], [3, VOCAB]], {}, f"token id {VOCAB} is out of the vocabulary"),
-        ([[1, -1]], {}, "token id -1"),
-        ([[1, 2]], {"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
-        ([[1, 2]], {"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-        ([[1, 2]], {"top_p": 0.0}, "top_p must be in"),
+        ([[1, 2], [3, VOCAB]], {}, f"prompt 1: token 1 is {VOCAB}, outside the vocabulary"),
+        ([[1, -1]], {}, "token 1 is -1"),
+        ([[1, 2]], {"max_tokens": 0}, r"max_tokens=0 must be an int in \[1, "),
+        ([[1, 2], [3]], {"max_tokens": [2, 2.0]}, r"max_tokens\[1\]=2.0 must be an int"),
+        ([[1, 2]], {"temperature": -1.0}, r"temperature=-1.0 must be >= 0"),
+        ([[1, 2]], {"top_p": 0.0}, r"top_p=0.0 must be in"),
+        ([[1, 2], [3]], {"top_k": [0, 2**63]}, "prompt 1: top_k=9223372036854775808"),
+        ([[1, 2]], {"seed": -1}, r"seed=-1 must be an int in \[0, 2147483647\]"),
+        ([[1, 2]], {"temperature": None}, "temperature=None must be a number"),
+        ([[1, 2]], {"stop_token_ids": "2"}, "stop_token_ids must be a list of token ids"),
+        ([[1, 2]], {"stop_token_ids": [VOCAB]}, f"token 0 is {VOCAB}, outside the vocabulary"),
+        ([[1, 2]], {"temperature": [0.0, 0.5]}, "temperature has 2 entries for 1 prompts"),
         ([list(range(1, 40))], {}, "39 tokens but the KV pool holds at most 31"),
         (["some text"], {}, "no tokenizer"),
-        ([[1.5]], {}, "is not an int"),
+        ([[1.5]], {}, r"token 0 is 1.5 \(float\), not an int"),
+        ([1, 2, 3], {}, "flat list of token ids .* wrap one prompt in a list"),
+        (None, {}, "prompts must be a non-empty list of prompts, got None"),
+        ([], {}, "got an empty one"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
@@ -463,13 +475,17 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"page_size": 0}, "page_size must be an int >= 1, got 0"),
-        ({"num_slots": 1}, "num_slots must be an int >= 2"),
-        ({"max_batch_size": 0}, "max_batch_size must be an int >= 1"),
-        ({"mem_fraction": 1.5}, "mem_fraction must be in"),
+        ({"page_size": 0}, r"page_size=0 must be an int in \[1, "),
+        ({"num_slots": 1}, r"num_slots=1 must be an int in \[2, "),
+        ({"num_slots": 64.0}, "num_slots=64.0"),
+        ({"max_batch_size": 0}, "max_batch_size=0"),
+        ({"prefill_step_size": True}, "prefill_step_size=True"),
+        ({"mem_fraction": 1.5}, r"mem_fraction=1.5 must be in \(0, 1\]"),
+        ({"mem_fraction": float("nan")}, "mem_fraction=nan must be a finite number"),
+        ({"prefix_cache": "no"}, "prefix_cache='no' must be True or False"),
     ],
 )
-def test_bad_engine_arguments(llama_model, kwargs, match):
+def test_bad_engine_arguments_are_named(llama_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(llama_model, **kwargs)
 
@@ -532,3 +548,23 @@ def test_pool_is_sized_from_memory_when_not_given(llama_model):
         warnings.simplefilter("error")
         engine = Engine(llama_model, mem_fraction=0.001)
     assert 2 <= engine.num_slots <= 1 << 20
+
+
+def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch, llama_model):
+    """A 64 MiB container on a host with 512 GiB available sizes its pool from the 64 MiB."""
+    import mlxcache.engine as engine_module
+    from servecore import memory
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemAvailable: {512 << 20} kB\n")
+    (proc / "self" / "cgroup").write_text("0::/app\n")
+    (cgroup / "app").mkdir(parents=True)
+    (cgroup / "app" / "memory.max").write_text(str(64 << 20))
+    (cgroup / "app" / "memory.current").write_text("0")
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(engine_module, "memory_budget",
+                        lambda: memory.memory_budget(proc, cgroup))
+    engine = Engine(llama_model, mem_fraction=0.5)
+    per_slot = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 kv heads, head_dim 16, float32
+    assert engine.num_slots == (32 << 20) // per_slot

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 mx = pytest.importorskip("mlx.core")
 
 from mlxcache.pool import (  # noqa: E402
+    POOL_NAME,
     KVPool,
     PoolExhausted,
     alloc,
@@ -55,7 +56,7 @@ def test_init_pool_shapes_and_sizes():
     "kwargs, bad",
     [
         (dict(num_layers=0, num_slots=4, n_kv_heads=1, head_dim=2), "num_layers.*0"),
-        (dict(num_layers=1, num_slots=1, n_kv_heads=1, head_dim=2), "num_slots.*padding.*1"),
+        (dict(num_layers=1, num_slots=1, n_kv_heads=1, head_dim=2), "num_slots=1.*padding"),
         (dict(num_layers=1, num_slots=4, n_kv_heads=0, head_dim=2), "n_kv_heads.*0"),
         (dict(num_layers=1, num_slots=4, n_kv_heads=1, head_dim=-3), "head_dim.*-3"),
     ],
@@ -122,10 +123,12 @@ def test_bad_layer_and_shapes_name_the_value():
     pool = init_pool(num_layers=2, num_slots=4, n_kv_heads=2, head_dim=3)
     kv = mx.zeros((1, 2, 3))
     slots = mx.array([1], dtype=mx.int32)
-    with pytest.raises(ValueError, match=r"layer.*\[0, 2\).*2"):
+    with pytest.raises(ValueError, match=r"layer=2 must be an int in \[0, 2\)"):
         set_kv(pool, 2, slots, kv, kv)
-    with pytest.raises(ValueError, match="layer.*-1"):
+    with pytest.raises(ValueError, match="layer=-1"):
         get_kv(pool, -1, slots)
+    with pytest.raises(ValueError, match="layer=True"):
+        get_kv(pool, True, slots)
     with pytest.raises(ValueError, match=r"k must be.*got shape \[1, 2, 4\]"):
         set_kv(pool, 0, slots, mx.zeros((1, 2, 4)), kv)
     with pytest.raises(ValueError, match=r"v must be.*got shape \[2, 2, 3\]"):
@@ -140,6 +143,37 @@ def test_bad_layer_and_shapes_name_the_value():
         set_kv_all_layers(pool, slots, [kv], [kv, kv])
     with pytest.raises(ValueError, match=r"ks\[1\] must be"):
         set_kv_all_layers(pool, slots, [kv, mx.zeros((1, 3, 3))], [kv, kv])
+
+
+@pytest.mark.parametrize(
+    "slots, message",
+    [
+        ([1.9], r"slots\[0\]=1.9 must be an int slot id in \[0, 4\)"),
+        ([1, True], r"slots\[1\]=True"),
+        ([4], r"slots\[0\]=4 must be an int slot id in \[0, 4\)"),
+        ([-1], r"slots\[0\]=-1"),
+        (np.array([2**32 + 1]), r"slots\[0\]=4294967297"),  # would wrap to 1 as int32
+        (np.array([1.0]), "1-D integer array.*float64"),
+        ("12", "list or 1-D integer array of slot ids, got str"),
+    ],
+)
+def test_host_slots_are_checked_never_rounded(slots, message):
+    pool = init_pool(num_layers=1, num_slots=4, n_kv_heads=1, head_dim=2)
+    kv = mx.zeros((len(slots), 1, 2))
+    with pytest.raises(ValueError, match=message):
+        set_kv(pool, 0, slots, kv, kv)
+    with pytest.raises(ValueError, match=message):
+        get_kv(pool, 0, slots)
+
+
+def test_numpy_and_list_slots_write_where_mx_slots_do():
+    pool = init_pool(num_layers=1, num_slots=8, n_kv_heads=1, head_dim=2, dtype=mx.float32)
+    k, v = rand((3, 1, 2), 1), rand((3, 1, 2), 2)
+    want = snapshot(set_kv(pool, 0, mx.array([5, 1, 7]), k, v))
+    for slots in ([5, 1, 7], np.array([5, 1, 7], dtype=np.int64), np.array([5, 1, 7], np.uint8)):
+        assert_same(set_kv(pool, 0, slots, k, v), want)
+        np.testing.assert_array_equal(np.array(get_kv(pool, 0, slots)[0]), np.array(
+            get_kv(pool, 0, mx.array([5, 1, 7]))[0]))
 
 
 @st.composite
@@ -281,22 +315,31 @@ def test_free_errors_name_the_slots_and_leave_input_unchanged(slots, message):
 
 
 def test_allocator_arguments_are_checked_and_state_is_read_only():
-    with pytest.raises(ValueError, match="num_slots.*1"):
+    with pytest.raises(ValueError, match="num_slots=1"):
         init_allocator(1)
+    with pytest.raises(ValueError, match="num_slots=4.0"):
+        init_allocator(4.0)
     a = init_allocator(4)
-    with pytest.raises(ValueError, match="-1"):
+    with pytest.raises(ValueError, match="n=-1"):
         alloc(a, -1)
+    with pytest.raises(ValueError, match="n=True"):
+        alloc(a, True)
+    with pytest.raises(ValueError, match="integers"):
+        free(alloc(a, 1)[0], [True])
     with pytest.raises(ValueError, match="read-only"):
         a.free_slots[0] = 0
     with pytest.raises(ValueError, match="read-only"):
         alloc(a, 1)[0].free_slots[0] = 0
 
 
-def test_pool_exhausted_message_has_numbers():
-    err = PoolExhausted(requested=9, available=4)
+def test_pool_exhausted_is_servecores_and_names_the_pool():
+    import servecore
+
+    assert PoolExhausted is servecore.PoolExhausted
+    err = PoolExhausted(requested=9, available=4, what=POOL_NAME)
     assert isinstance(err, RuntimeError)
     assert (err.requested, err.available) == (9, 4)
-    assert "9" in str(err) and "4" in str(err)
+    assert str(err) == "KV pool slots exhausted: requested 9, 4 available"
 
 
 class AllocatorMachine(RuleBasedStateMachine):

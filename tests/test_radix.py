@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
@@ -243,6 +244,61 @@ def test_pretty_shows_tree():
     long = RadixCache()
     long.insert(list(range(20)), list(range(20)))
     assert "+12]" in long.pretty()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c: c.insert([1, 2.0], [10, 11]), "token 1 is 2.0 \\(float\\), not an int"),
+        (lambda c: c.insert([1, True], [10, 11]), "token 1 is True \\(bool\\)"),
+        (lambda c: c.insert([[1, 2]], [10]), "token 0 is \\[1, 2\\] \\(list\\)"),
+        (lambda c: c.insert([1, -1], [10, 11]), "token 1 is -1, outside"),
+        (lambda c: c.insert([1, 2**31], [10, 11]), "token 1 is 2147483648, outside"),
+        (lambda c: c.insert("ab", [10, 11]), "tokens must be a list of token ids"),
+        (lambda c: c.insert(np.array([1.0, 2.0]), [10, 11]), "1-D array of int.*float64"),
+        (lambda c: c.insert([1, 2], [10, 1.5]), "slots\\[1\\]=1.5 must be an int slot id"),
+        (lambda c: c.insert([1, 2], [10, -1]), "slots\\[1\\]=-1"),
+        (lambda c: c.match_prefix([1, 2.5]), "token 1 is 2.5"),
+        (lambda c: c.match_prefix([1], extra_key=[1]), "extra_key=\\[1\\] must be hashable"),
+        (lambda c: c.match_prefix([1], extra_key=np.array([1])), "not an array"),
+        (lambda c: c.lock("node"), "node='node' must be a TreeNode"),
+        (lambda c: c.unlock(None), "node=None must be a TreeNode"),
+        (lambda c: c.evict(True), "num_tokens=True must be an int >= 0"),
+        (lambda c: RadixCache(page_size=2.0), "page_size=2.0 must be an int"),
+    ],
+)
+def test_bad_tokens_slots_keys_and_nodes_are_named_and_change_nothing(call, message):
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    before = cache.pretty()
+    with pytest.raises(ValueError, match=message):
+        call(cache)
+    assert cache.pretty() == before
+
+
+def test_numpy_tokens_and_slots_match_like_lists():
+    cache = RadixCache()
+    assert cache.insert(np.array([1, 2, 3], dtype=np.int32), np.array([10, 11, 12])) == 0
+    assert cache.match_prefix([1, 2, 3])[0] == [10, 11, 12]
+    assert cache.match_prefix(np.array([1, 2, 9], dtype=np.uint16))[0] == [10, 11]
+    assert cache.insert((1, 2, 3, 4), range(20, 24)) == 3
+
+
+def test_release_locks_leaves_everything_evictable_and_all_slots_lists_the_tree():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    cache.insert([1, 4], [10, 13])
+    _, node = cache.match_prefix([1, 2])
+    cache.lock(node)
+    cache.lock(node)
+    assert cache.protected_size == 2
+    cache.release_locks()
+    assert (cache.protected_size, cache.evictable_size, cache.total_size) == (0, 4, 4)
+    assert sorted(cache.all_slots()) == [10, 11, 12, 13]
+    with pytest.raises(ValueError, match="no lock of its own"):
+        cache.unlock(node)
+    assert sorted(cache.evict(4)) == [10, 11, 12, 13]
+    assert cache.all_slots() == [] and cache.total_size == 0
 
 
 def test_radix_module_does_not_import_mlx():
@@ -551,3 +607,19 @@ class RadixMachine(RuleBasedStateMachine):
 # Pure Python and cheap (~10 ms an example): more examples than the profile's default.
 RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40)
 TestRadixMachine = RadixMachine.TestCase
+
+
+_VALUES = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(0, 10, allow_nan=False),
+                    st.integers(0, 12).map(np.int64), st.just(2**31))
+
+
+@given(st.one_of(st.lists(_VALUES, max_size=6), st.tuples(_VALUES, _VALUES)),
+       st.integers(1, 2**31))
+def test_the_fast_path_of_the_door_checks_accepts_only_what_the_full_check_accepts(values, hi):
+    """``_checks.plain_ints`` skips servecore's per-element check for plain int lists: it may
+    refuse more (NumPy scalars go the slow way), never less."""
+    from mlxcache._checks import plain_ints
+    from servecore.validate import token_ids
+
+    if plain_ints(values, hi):
+        assert token_ids("x", values, vocab_size=hi, allow_empty=True) == list(values)
