@@ -70,7 +70,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcache._checks import plain_ints
 from mlxcache.cache import RaggedKVCache
 from mlxcache.pool import (
     POOL_NAME,
@@ -90,6 +89,7 @@ from servecore.validate import (
     check_int,
     check_real,
     eos_token_ids,
+    plain_ints,
     prompt_list,
     stop_ids,
     token_ids,
@@ -550,7 +550,7 @@ class Engine:
         """
         with self._serialized():
             if self._tree is not None:
-                freed = self._tree.evict(self._tree.evictable_size)
+                freed = self._tree.evict(self._tree.evictable_size).slots
                 if freed:
                     self._alloc = free(self._alloc, freed)
 
@@ -780,7 +780,7 @@ class Engine:
                     # with nothing running nothing is locked, so all slots are free or
                     # evictable. Drop the request rather than retry it forever.
                     req = self._waiting[0]
-                    need = len(req.tokens) - len(self._tree.match_prefix(req.tokens)[0])
+                    need = len(req.tokens) - len(self._tree.match_prefix(req.tokens).slots)
                     err = PoolExhausted(
                         need, self.num_free_slots + self._tree.evictable_size, what=POOL_NAME
                     )
@@ -881,7 +881,7 @@ class Engine:
         """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
         a, slots, ok = alloc(self._alloc, n)
         if not ok:
-            freed = self._tree.evict(n - self._alloc.num_free)
+            freed = self._tree.evict(n - self._alloc.num_free).slots
             if freed:
                 self._alloc = free(self._alloc, freed)
                 self.stats.token_evictions += len(freed)
@@ -899,7 +899,8 @@ class Engine:
         running = self._num_running()
         while self._waiting and running + len(batch) < self.max_batch_size:
             req = self._waiting[0]
-            slots, node = self._tree.match_prefix(req.tokens) if self.reuse else ([], None)
+            slots, node, _ = (self._tree.match_prefix(req.tokens) if self.reuse
+                             else ([], None, None))
             cached = min(len(slots), len(req.tokens) - 1)  # a full hit recomputes 1 token
             todo = len(req.tokens) - cached
             if batch and (
@@ -996,7 +997,7 @@ class Engine:
         for req in reqs:
             self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
             req.pending = []
-            slots, node = self._tree.match_prefix(req.tokens)
+            slots, node, _ = self._tree.match_prefix(req.tokens)
             self._tree.lock(node)
             self._tree.unlock(req.node)
             req.node, req.tree_slots = node, slots

@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from mlxcache._checks import plain_ints
 from servecore.errors import PoolExhausted
-from servecore.validate import INT32_MAX, check_int, is_int
+from servecore.validate import INT32_MAX, check_int, is_int, plain_ints
 
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float

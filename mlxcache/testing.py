@@ -32,7 +32,7 @@ Examples:
     ...     cache = RadixCache()
     ...     for i, p in enumerate(prompts[:-1]):
     ...         cache.insert(p, list(range(100 * i, 100 * i + len(p))))
-    ...     slots, _ = cache.match_prefix(prompts[-1])
+    ...     slots, _, _ = cache.match_prefix(prompts[-1])
     ...     assert len(slots) == ref_longest_prefix(prompts[:-1], prompts[-1])
     >>> test_match_finds_the_longest_cached_prefix()
 """
@@ -666,7 +666,7 @@ def check_radix_program(program: Sequence[RadixOp], cache: Any) -> RefRadixCache
             _agree(where, "insert returned", got, want)
         elif op.kind == "match":
             want, handle = ref.match_prefix(op.tokens, op.extra_key)
-            got, node = cache.match_prefix(list(op.tokens), op.extra_key)
+            got, node, _ = cache.match_prefix(list(op.tokens), op.extra_key)
             _agree(where, "match_prefix slots", list(got), want)
             if op.lock:
                 cache.lock(node)
@@ -678,7 +678,7 @@ def check_radix_program(program: Sequence[RadixOp], cache: Any) -> RefRadixCache
                 cache.unlock(node)
                 ref.unlock(handle)
         elif op.kind == "evict":
-            freed = cache.evict(op.n)
+            freed = cache.evict(op.n).slots
             try:
                 ref.apply_eviction(freed, op.n)
             except AssertionError as e:

@@ -40,6 +40,7 @@ SERVECORE_API = [
     "servecore.stats",
     "servecore.memory",
     "servecore.validate",
+    "servecore.radix",
 ]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.engine", "mlxcache.sampling"}
 

@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from servecore import MIN_TEMPERATURE, PoolExhausted, SamplingParams
 from servecore.memory import cgroup_available_bytes, memory_budget
-from servecore.validate import eos_token_ids, prompt_list, stop_ids, token_ids
+from servecore.validate import (
+    eos_token_ids,
+    is_int,
+    plain_ints,
+    prompt_list,
+    stop_ids,
+    token_ids,
+)
 
 
 def test_servecore_imports_neither_jax_nor_mlx():
@@ -95,6 +102,21 @@ def test_token_ids_stop_ids_and_prompt_lists_name_what_is_wrong():
                        ([1, 2], "flat list"), (np.array([1, 2]), "1-D array")):
         with pytest.raises(ValueError, match=match):
             prompt_list(bad)
+
+
+_VALUES = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(0, 10, allow_nan=False),
+                    st.integers(0, 12).map(np.int64), st.just(2**31))
+
+
+@given(st.one_of(st.lists(_VALUES, max_size=6), st.tuples(_VALUES, _VALUES)),
+       st.integers(1, 2**31))
+def test_the_fast_path_of_the_door_checks_accepts_only_plain_ints_in_range(values, hi):
+    """``plain_ints`` lets lists of plain ints skip the per-element check: it may refuse more
+    (NumPy scalars go the slow way, and still pass there), never accept what is not a token."""
+    if plain_ints(values, hi):
+        assert all(type(v) is int and 0 <= v < hi for v in values)
+    elif all(is_int(v) and 0 <= v < hi for v in values) and values:
+        assert token_ids("x", list(values), vocab_size=hi) == [int(v) for v in values]
 
 
 def test_eos_ids_from_every_tokenizer_form():
