@@ -47,9 +47,19 @@ import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
-from hybridattn.pools import alloc_reqs
-from hybridattn.scheduler import Request, Scheduler, StepPlan, ladder
-from hybridattn.serving import ServingState, make_worker_batch, release, step
+from hybridattn.pools import alloc_reqs, free
+from hybridattn.scheduler import (
+    Admission,
+    Borrow,
+    FreeSlots,
+    Release,
+    Request,
+    Scheduler,
+    StepPlan,
+    bucket,
+    ladder,
+)
+from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
 from servecore import memory as _memory
 from servecore.sampling import SamplingParams
 from servecore.stats import ServingStats
@@ -64,15 +74,29 @@ _TRACES = [0]
 
 
 def _counted(fn):
-    def traced(*args):
+    def traced(*args, **kwargs):
         _TRACES[0] += 1  # runs only while tracing
-        return fn(*args)
+        return fn(*args, **kwargs)
     return traced
 
 
 _step = jax.jit(_counted(step), donate_argnums=1)
 _release = jax.jit(_counted(release), donate_argnums=0)
 _alloc_row = jax.jit(_counted(lambda pool: alloc_reqs(pool, 1, 1)))
+
+
+def _admit_with_prefix(state: ServingState, lens, slots, computed):
+    """A row for one request that borrows a cached prefix: allocate it, point its first
+    ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
+    pool, rows, ok = alloc_reqs(state.req_to_token_pool, 1, 1)
+    state = borrow_prefix(state.replace(req_to_token_pool=pool), rows, lens, slots, computed)
+    return state, rows, ok
+
+
+_admit = jax.jit(_counted(_admit_with_prefix), donate_argnums=0)
+_borrow = jax.jit(_counted(borrow_prefix), donate_argnums=0)
+_free_tokens = jax.jit(_counted(lambda s, slots: s.replace(
+    token_allocator=free(s.token_allocator, slots))), donate_argnums=0)
 
 
 def available_memory_bytes() -> int:
@@ -149,11 +173,23 @@ class MemoryReport:
     full_attn_bytes_per_token: int  # K and V of every layer if all were full multi-head attention
     state_bytes_per_request: int  # KDA conv + recurrent state, summed over the KDA layers
     pool_bytes: int
+    num_snapshot_slots: int = 0  # prefix-cache snapshot slots, the sink included
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one prefix-cache snapshot: every KDA layer's conv and recurrent state."""
+        return self.state_bytes_per_request
+
+    @property
+    def snapshot_tokens(self) -> float:
+        """What one snapshot weighs in tokens of MLA latent (the budget trades the two)."""
+        return self.snapshot_bytes / max(self.mla_bytes_per_token, 1)
 
     @classmethod
     def for_config(cls, config: KimiLinearConfig, *, max_running_requests: int,
                    max_context_len: int, num_token_slots: int, dtype=jnp.float32,
-                   budget_bytes: int = 0, param_bytes: int | None = None) -> MemoryReport:
+                   budget_bytes: int = 0, param_bytes: int | None = None,
+                   num_snapshot_slots: int = 0) -> MemoryReport:
         """The report of an engine of this geometry, from the pools' layout alone (shapes:
         nothing is allocated, no parameters are needed; ``param_bytes`` defaults to the size
         of ``param_shapes(config, dtype)``).
@@ -166,7 +202,7 @@ class MemoryReport:
         """
         shapes = jax.eval_shape(lambda: ServingState.create(
             config, max_running_requests=max_running_requests, max_context_len=max_context_len,
-            num_token_slots=num_token_slots, dtype=dtype))
+            num_token_slots=num_token_slots, dtype=dtype, num_snapshot_slots=num_snapshot_slots))
         if param_bytes is None:
             param_bytes = sum(_nbytes(x) for x in jax.tree.leaves(
                 kimi_linear.param_shapes(config, dtype)))
@@ -181,6 +217,7 @@ class MemoryReport:
             state_bytes_per_request=sum(_nbytes(x) // x.shape[0] for x in
                                         jax.tree.leaves(shapes.recurrent_state_pool)),
             pool_bytes=sum(_nbytes(x) for x in jax.tree.leaves(shapes)),
+            num_snapshot_slots=num_snapshot_slots,
         )
 
     def __str__(self) -> str:
@@ -195,6 +232,9 @@ class MemoryReport:
             f"{self.full_attn_bytes_per_token} B if every layer kept full-attention K/V "
             f"({self.full_attn_bytes_per_token / max(self.mla_bytes_per_token, 1):.1f}x); "
             f"per request: {self.state_bytes_per_request / 1024:.1f} KiB of KDA state"
+            + (f"\nprefix cache: {self.num_snapshot_slots - 1} snapshots of "
+               f"{self.snapshot_bytes / 1024:.1f} KiB (each {self.snapshot_tokens:.0f} tokens "
+               "of MLA latent)" if self.num_snapshot_slots else "")
         )
 
 
@@ -206,7 +246,8 @@ class EngineStats(ServingStats):
     ``mlxcache.EngineStats``. Steps that compiled are left out of the throughput figures.
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
-    Here: ``steps``; ``num_compilations``: traces of the engine's jitted functions (the step,
+    Here: ``steps``; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
+    cache stored / evicted; ``num_compilations``: traces of the engine's jitted functions (the step,
     one per new shape bucket, plus row allocation and release); ``buckets``: the ``(mode, B,
     T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that compiled.
 
@@ -217,6 +258,8 @@ class EngineStats(ServingStats):
     """
 
     steps: int = 0
+    snapshots_taken: int = 0
+    state_evictions: int = 0
     num_compilations: int = 0
     compile_seconds: float = 0.0
     buckets: set = dataclasses.field(default_factory=set)  # step shape buckets used
@@ -271,6 +314,14 @@ class Engine:
         chunk_size: the KDA prefill chunk.
         dtype: the pools' floating dtype (MLA latents and conv states; KDA states are float32).
         seed: the base sampling key (``ServingState.create``).
+        prefix_cache: reuse cached prefixes (a radix tree over the token slots, with exact
+            KDA state snapshots; see ``hybridattn.prefix_cache``). False re-prefills every
+            prompt from token 0.
+        snapshot_interval: the snapshot grid along every prefill, a positive multiple of
+            ``chunk_size`` (default: the multiple of it nearest 256, at least one chunk).
+        num_snapshot_slots: snapshot slots (the sink included); default: enough for four
+            snapshots per request row, or two per grid interval of a full context, whichever
+            is more, within a quarter of the memory budget.
 
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
@@ -338,6 +389,9 @@ class Engine:
         chunk_size: int = 32,
         dtype=jnp.float32,
         seed: int = 0,
+        prefix_cache: bool = True,
+        snapshot_interval: int | None = None,
+        num_snapshot_slots: int | None = None,
     ):
         if not isinstance(config, KimiLinearConfig):
             raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
@@ -350,6 +404,15 @@ class Engine:
         check_int("chunked_prefill_size", chunked_prefill_size, 1)
         check_int("chunk_size", chunk_size, 1)
         check_int("seed", seed, 0)
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache={prefix_cache!r} must be a bool")
+        if snapshot_interval is None:
+            snapshot_interval = max(1, round(256 / chunk_size)) * chunk_size
+        if check_int("snapshot_interval", snapshot_interval, 1) % chunk_size:
+            raise ValueError(f"snapshot_interval={snapshot_interval} must be a positive multiple "
+                             f"of chunk_size={chunk_size} (snapshots sit on the KDA chunk grid)")
+        if num_snapshot_slots is not None:
+            check_int("num_snapshot_slots", num_snapshot_slots, 0)
         if num_token_slots is not None:
             check_int("num_token_slots", num_token_slots, 2)
         if check_real("mem_fraction", mem_fraction) <= 0 or mem_fraction > 1:
@@ -384,7 +447,24 @@ class Engine:
                     f"max_context_len={max_context_len}: lower max_context_len or raise "
                     "mem_fraction"
                 )
-        self.state = ServingState.create(config, num_token_slots=num_token_slots, **geometry)
+        snap_bytes = unit.state_bytes_per_request
+        if not prefix_cache:
+            num_snapshot_slots = 0
+        elif num_snapshot_slots is None:
+            want = max(4 * max_running_requests, 2 * -(-max_context_len // snapshot_interval))
+            fit = int(0.25 * budget) // max(snap_bytes, 1)
+            num_snapshot_slots = min(want, fit) + 1
+            if num_snapshot_slots < 2:
+                raise ValueError(
+                    f"a quarter of the memory budget ({budget} bytes) holds no KDA snapshot of "
+                    f"{snap_bytes} bytes: raise mem_fraction, give num_snapshot_slots, or pass "
+                    "prefix_cache=False")
+        elif num_snapshot_slots < 2:
+            raise ValueError(f"num_snapshot_slots={num_snapshot_slots} holds no snapshot (slot 0 "
+                             "is the sink): give at least 2, or pass prefix_cache=False")
+        self.prefix_cache, self.snapshot_interval = prefix_cache, snapshot_interval
+        self.state = ServingState.create(config, num_token_slots=num_token_slots,
+                                         num_snapshot_slots=num_snapshot_slots, **geometry)
         self.max_running_requests = self.state.max_running_requests
         if self.max_running_requests < 1:
             raise ValueError(f"num_token_slots={num_token_slots} cannot hold one request of "
@@ -393,7 +473,7 @@ class Engine:
         self.capacity = num_token_slots - 1
         self.memory = dataclasses.replace(
             unit, budget_bytes=budget, max_running_requests=self.max_running_requests,
-            num_token_slots=num_token_slots,
+            num_token_slots=num_token_slots, num_snapshot_slots=num_snapshot_slots,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)))
         R = self.max_running_requests
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
@@ -417,7 +497,10 @@ class Engine:
         self.scheduler = Scheduler(
             capacity=self.capacity, max_running_requests=R,
             chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
-            token_buckets=self.token_buckets, kv_buckets=self.kv_buckets)
+            token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
+            num_snapshot_slots=num_snapshot_slots, snapshot_interval=snapshot_interval,
+            snapshot_buckets=(0, *ladder(4, max(4, R * (chunked_prefill_size
+                                                       // snapshot_interval + 3)))))
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it
@@ -435,10 +518,10 @@ class Engine:
             finally:
                 self._busy -= 1
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, **kwargs):
         """Run a shared jitted function, counting the compilations it needed."""
         before = _TRACES[0]
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self.stats.num_compilations += _TRACES[0] - before
         return out
 
@@ -496,7 +579,7 @@ class Engine:
             req = self.scheduler.abort(rid)
             if req is None:
                 return False
-            self._flush_releases()
+            self._flush_ops()
             sink = self._sinks.get(rid)
             if sink is not None:
                 sink.append((rid, None, True))
@@ -517,12 +600,48 @@ class Engine:
             rid = self._orphans.popleft()
             self._sinks.pop(rid, None)
             self.scheduler.abort(rid)
-        self._flush_releases()
+        self._flush_ops()
 
     @property
     def num_running(self) -> int:
         """Admitted requests (holding a row and their token-slot reservation)."""
         return self.scheduler.num_running
+
+    @property
+    def num_free_slots(self) -> int:
+        """Token slots neither held by a request nor by the prefix cache (a device read)."""
+        return int(self.state.token_allocator.num_free)
+
+    @property
+    def num_cached_slots(self) -> int:
+        """Token slots the prefix cache holds (0 without it)."""
+        return self.scheduler.cached_size
+
+    @property
+    def tree(self):
+        """The prefix cache's radix tree (``servecore.radix.RadixCache``; None without a
+        cache). Read it (``tree.pretty()``); do not modify it."""
+        return self.scheduler.tree
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix and snapshot that no running request holds (their token
+        and snapshot slots are freed); what running requests hold stays until they finish.
+
+        >>> from hybridattn.models import kimi_linear
+        >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+        >>> engine = Engine(cfg, kimi_linear.init_params(cfg, jax.random.key(0)),
+        ...                 max_running_requests=2, max_context_len=16, num_token_slots=33,
+        ...                 snapshot_interval=32, num_snapshot_slots=9)
+        >>> _ = engine.generate([[1, 2, 3]], 2)
+        >>> engine.num_cached_slots, engine.tree.num_states  # prompt + answer, 2 snapshots
+        (4, 2)
+        >>> engine.reset_cache()
+        >>> engine.num_cached_slots, engine.num_free_slots == engine.capacity
+        (0, True)
+        """
+        with self._transaction():
+            self.scheduler.reset_cache()
+            self._flush_ops()
 
     @property
     def num_waiting(self) -> int:
@@ -548,17 +667,19 @@ class Engine:
         """One round, as a transaction; returns whether a step ran."""
         with self._transaction():
             self._reap_orphans()
-            for req in self.scheduler.admissible():
-                pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
-                if not bool(ok):  # cannot happen while the host counts agree with the pool
-                    raise RuntimeError("request-row allocation failed with rows counted free")
-                self.state = self.state.replace(req_to_token_pool=pool)
-                self.scheduler.admitted(req, int(rows[0]))
+            while (adm := self.scheduler.admit_next()) is not None:
+                try:
+                    row = self._admit_row(adm)
+                except BaseException:
+                    self.scheduler.cancel(adm)
+                    raise
+                self.scheduler.admitted(adm, row)
+            self._flush_ops()  # frees of what admission evicted, before the step allocates
             plan = self.scheduler.plan()
             if plan is None:
                 return False
             self._run(plan)
-            self._flush_releases()
+            self._flush_ops()
             return True
 
     def _run(self, plan: StepPlan) -> None:
@@ -566,9 +687,10 @@ class Engine:
         batch = make_worker_batch(
             plan.items(), vocab_size=self.config.vocab_size,
             max_context_len=self.max_context_len, forward_mode=plan.mode, num_requests=B,
-            num_tokens=T, kv_width=W, max_extend_len=Q,
+            num_tokens=T, kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots,
         )
-        key = (int(plan.mode), *plan.buckets)
+        key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
+            plan.num_snapshots,))
         traces = _TRACES[0]
         t0 = time.perf_counter()
         self.state, out = self._call(_step, self.params, self.state, batch)
@@ -590,24 +712,75 @@ class Engine:
             s.decode_tokens += plan.num_tokens
             s.decode_seconds += now - t0
         first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
-        events, _ = self.scheduler.commit(plan, tokens)
+        sched = self.scheduler
+        events, _ = sched.commit(plan, tokens, self._read_slots)
         for r in first:
             s.requests += 1
             s.prompt_tokens += len(r.prompt)
+            s.cached_tokens += r.start
             s.ttft.append(now - r.arrival)
+        s.snapshots_taken, s.state_evictions, s.token_evictions = (
+            sched.snapshots_taken, sched.state_evictions, sched.token_evictions)
         for event in events:
             self._sinks.get(event[0], self._outbox).append(event)
 
-    def _flush_releases(self) -> None:
-        """Give finished requests' rows and token slots back (device first, then the
-        scheduler's counts); a release that fails is retried by the next round."""
-        done = list(self.scheduler.releasing)
-        if not done:
-            return
-        rows = np.zeros(self.request_buckets[-1], np.int32)
+    def _admit_row(self, adm: Admission) -> int:
+        """Allocate the admitted request's row on the device; with a cache hit the row also
+        borrows the matched KV and records the restored depth. Returns the row."""
+        if self.scheduler.tree is None:
+            pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
+            new = self.state.replace(req_to_token_pool=pool)
+        else:
+            W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
+            slots = np.zeros((1, W), np.int32)
+            slots[0, : adm.borrowed] = adm.slots
+            new, rows, ok = self._call(_admit, self.state, jnp.asarray([adm.borrowed], jnp.int32),
+                                       jnp.asarray(slots), jnp.asarray([adm.computed], jnp.int32))
+        self.state = new
+        if not bool(ok):  # cannot happen while the host counts agree with the pool
+            raise RuntimeError("request-row allocation failed with rows counted free")
+        return int(rows[0])
+
+    def _flush_ops(self) -> None:
+        """Carry out the device ops the scheduler queued, in order (frees of evicted slots,
+        borrowed prompts, releases of finished requests); one that fails stays queued and is
+        retried by the next round."""
+        sched = self.scheduler
+        while sched.device_ops:
+            op = sched.device_ops[0]
+            if isinstance(op, FreeSlots):
+                n = 1 << max(len(op.slots) - 1, 0).bit_length()  # one compile per power of 2
+                slots = np.zeros(n, np.int32)
+                slots[: len(op.slots)] = op.slots
+                self.state = self._call(_free_tokens, self.state, jnp.asarray(slots))
+            elif isinstance(op, Borrow):
+                W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
+                slots = np.zeros((1, W), np.int32)
+                slots[0, : len(op.slots)] = op.slots
+                self.state = self._call(_borrow, self.state, jnp.asarray([op.req.row], jnp.int32),
+                                        jnp.asarray([len(op.slots)], jnp.int32),
+                                        jnp.asarray(slots))
+            elif isinstance(op, Release):
+                self.state = self._release_rows(op.reqs)
+            sched.op_done(op)
+
+    def _release_rows(self, done: Sequence[Request]) -> ServingState:
+        R = self.request_buckets[-1]
+        rows = np.zeros(R, np.int32)
         rows[: len(done)] = [r.row for r in done]
-        self.state = self._call(_release, self.state, jnp.asarray(rows))
-        self.scheduler.released(done)
+        if self.scheduler.tree is None:
+            return self._call(_release, self.state, jnp.asarray(rows))
+        keep = np.full(R, self.max_context_len, np.int32)
+        keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
+                             for r in done]
+        snaps = np.zeros(R, np.int32)
+        snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
+        return self._call(_release, self.state, jnp.asarray(rows), keep_from=jnp.asarray(keep),
+                          snapshot_slots=jnp.asarray(snaps))
+
+    def _read_slots(self, req: Request, n: int) -> list[int]:
+        """The token slots of the first ``n`` positions of ``req``'s row (a device read)."""
+        return np.asarray(self.state.req_to_token_pool.req_to_token[req.row, :n]).tolist()
 
     # ---------------------------------------------------------------------------------------
     # convenience
@@ -623,7 +796,10 @@ class Engine:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Zero the throughput counters and TTFTs; compilation counts and buckets stay."""
+        """Zero the throughput and cache counters and TTFTs; compilation counts and buckets
+        stay."""
+        sched = self.scheduler
+        sched.snapshots_taken = sched.state_evictions = sched.token_evictions = 0
         s = self.stats
         self.stats = EngineStats(num_compilations=s.num_compilations,
                                  compile_seconds=s.compile_seconds, buckets=s.buckets,

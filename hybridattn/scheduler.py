@@ -1,35 +1,45 @@
-"""The host scheduler of ``hybridattn.Engine``: admission, chunked prefill, reservations,
-shape buckets and finishing, in plain Python (no JAX).
+"""The host scheduler of ``hybridattn.Engine``: admission, prefix caching, chunked prefill,
+reservations, shape buckets and finishing, in plain Python (no JAX).
 
 The engine owns the device pools and calls the scheduler in one fixed order per round; the
 scheduler never touches a device array, so it can be driven against the reference pools of
 ``hybridattn.testing`` without compiling a model::
 
-    for req in sched.admissible():         # FIFO: a row free, and slots for its whole life
-        sched.admitted(req, row)           #   (row: allocated on the device by the engine)
+    run sched.device_ops, then sched.op_done(op) each  # frees, borrows, releases it queued
+    while (adm := sched.admit_next()):     # FIFO; a row free, slots for the request's life
+        row = <allocate a row; it borrows adm.slots, restores depth adm.computed>
+        sched.admitted(adm, row)           #   (or sched.cancel(adm) if that failed)
     plan = sched.plan()                    # what runs this step, and its shape buckets
     ... run plan.items() on the device ...
-    events, done = sched.commit(plan, tokens)   # outputs, finishing (nothing is freed yet)
-    ... release the done requests' rows and slots on the device ...
-    sched.released(done)                   # their rows and reservations come back
+    events, done = sched.commit(plan, tokens, read_slots)   # outputs, cache inserts, finishing
+    run sched.device_ops again             # e.g. release the done requests
 
-Every method either only reads (``admissible``, ``plan``) or commits a decision the engine has
-already carried out on the device, so an exception between two calls leaves the scheduler
+Each method commits a decision the engine has carried out (or will carry out from the queue,
+in order, retrying an op that failed), so an exception between two calls leaves the scheduler
 and the pools in agreement.
 
-Admission reserves a request's whole life (prompt + ``max_new_tokens - 1`` token slots: the
-last sampled token never runs) on top of what running requests reserved, so a running request
-can never run out of slots. A step takes every decoding request (one token each) and, when
-some admitted request still has prompt tokens, prompt chunks up to ``chunked_prefill_size``
-tokens (an ``EXTEND`` step); otherwise it is a ``DECODE`` step of every running request.
+Admission reserves a request's whole life (the token slots it will own: prompt tokens past a
+cached prefix + ``max_new_tokens - 1``: the last sampled token never runs) on top of what
+running requests reserved and what the prefix cache holds (evicting unlocked cached prefixes
+to make room), so a running request can never run out of slots. A step takes every decoding
+request (one token each) and, when some admitted request still has prompt tokens, prompt
+chunks up to ``chunked_prefill_size`` tokens (an ``EXTEND`` step); otherwise it is a
+``DECODE`` step of every running request.
+
+With ``prefix_cache`` (see ``hybridattn.prefix_cache``), admission matches the prompt in the
+radix tree, locks the path, lets the row borrow the cached KV and restores the deepest
+snapshot at most one token short of the prompt; the prefill then recomputes only the rest,
+snapshotting on the way. A request whose prompt shares a grid interval or more of uncached
+tokens with a prompt still prefilling waits for it (its snapshots are not there yet). When a
+prompt has been prefilled, it is inserted with its snapshots (the row then borrows all of it),
+and when the request finishes, prompt and answer go in, ending at a snapshot of the end.
 
 >>> sched = Scheduler(capacity=64, max_running_requests=2, chunked_prefill_size=4,
 ...                   request_buckets=(2,), token_buckets=(8,), kv_buckets=(16,))
 >>> req = Request(rid=0, prompt=[5, 6, 7, 8, 9], max_new_tokens=2)
 >>> sched.add(req)
->>> [r.rid for r in sched.admissible()]
-[0]
->>> sched.admitted(req, row=1)
+>>> adm = sched.admit_next()
+>>> sched.admitted(adm, row=1)
 >>> plan = sched.plan()
 >>> plan.mode.name, [(r.rid, toks) for r, toks in plan.work], plan.buckets
 ('EXTEND', [(0, [5, 6, 7, 8])], (2, 8, 16, 8))
@@ -41,7 +51,9 @@ tokens (an ``EXTEND`` step); otherwise it is a ``DECODE`` step of every running 
 >>> events, done = sched.commit(sched.plan(), [12])  # a DECODE step
 >>> events, [r.rid for r in done], done[0].finish_reason
 ([(0, 12, True)], [0], 'length')
->>> sched.released(done); sched.num_running, sched.reserved
+>>> [type(op).__name__ for op in sched.device_ops]  # the engine releases the row...
+['Release']
+>>> sched.op_done(sched.device_ops[0]); sched.num_running, sched.reserved  # ... and says so
 (0, 0)
 """
 
@@ -50,13 +62,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hybridattn.backend import ForwardMode
+from hybridattn.prefix_cache import SnapshotSlots, snapshot_points
 from hybridattn.serving import WorkItem
+from servecore.radix import RadixCache
 from servecore.sampling import SamplingParams
 
-__all__ = ["Request", "Scheduler", "StepPlan", "bucket", "ladder"]
+__all__ = ["Admission", "Borrow", "FreeSlots", "Release", "Request", "Scheduler", "StepPlan",
+           "bucket", "ladder"]
 
 
 def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -91,7 +107,10 @@ class Request:
 
     ``computed`` counts its tokens whose KV / state is in the pools; ``output`` its generated
     tokens; ``finish_reason`` is ``"stop"`` (a stop token, which is kept), ``"length"``
-    (``max_new_tokens``) or ``"abort"`` once it has finished.
+    (``max_new_tokens``) or ``"abort"`` once it has finished. With a prefix cache:
+    ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
+    restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
+    ``owned`` is its reservation of token slots.
 
     >>> r = Request(rid=3, prompt=[1, 2], max_new_tokens=4)
     >>> r.need, r.finished, r.tokens
@@ -108,6 +127,19 @@ class Request:
     row: int = 0
     computed: int = 0
     finish_reason: str | None = None
+    # prefix cache
+    borrowed: int = 0
+    start: int = 0
+    restore: int = 0
+    node: Any = None
+    planned: dict = dataclasses.field(default_factory=dict)
+    taken: dict = dataclasses.field(default_factory=dict)
+    finish_slot: int = 0
+    inserted: bool = False
+    prompt_slots: list = dataclasses.field(default_factory=list)
+    keep_from: int | None = None
+    end_depth: int = 0  # tokens that ran, once finished and inserted
+    owned: int = 0
 
     @property
     def need(self) -> int:
@@ -131,9 +163,69 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
+class Admission:
+    """A request ``admit_next`` chose: its row borrows the cache's token slots ``slots`` (the
+    first ``len(slots)`` positions) and has ``computed`` tokens' states (a snapshot of that
+    depth is restored by its first step).
+
+    >>> Admission(Request(0, [1, 2], 1), slots=(7, 9), computed=1).borrowed
+    2
+    """
+
+    req: Request
+    slots: tuple[int, ...] = ()
+    computed: int = 0
+
+    @property
+    def borrowed(self) -> int:
+        """Positions the row borrows from the cache."""
+        return len(self.slots)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FreeSlots:
+    """Device op: free these token slots (the prefix cache evicted them).
+
+    >>> FreeSlots((4, 5)).slots
+    (4, 5)
+    """
+
+    slots: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Borrow:
+    """Device op: ``req``'s row borrows the cache's ``slots`` for its first ``len(slots)``
+    positions (``serving.borrow_prefix``; the row's own duplicates there are freed).
+
+    >>> Borrow(Request(0, [1], 1), (3,)).slots
+    (3,)
+    """
+
+    req: Request
+    slots: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Release:
+    """Device op: release the finished ``reqs`` (``serving.release``), each keeping positions
+    from ``req.keep_from`` on for the cache and snapshotting its end into
+    ``req.finish_slot`` when ``req.end_depth`` is set.
+
+    >>> Release((Request(0, [1], 1),)).reqs[0].rid
+    0
+    """
+
+    reqs: tuple[Request, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """One step's work: ``work`` lists ``(request, tokens to run)``; ``buckets`` is the padded
-    shape ``(B, T, W, Q)`` (requests, tokens, attention width, longest extend).
+    shape ``(B, T, W, Q)`` (requests, tokens, attention width, longest extend). With a prefix
+    cache, ``restores[i]`` and ``snapshots[i]`` are work item ``i``'s snapshot to restore and
+    ``(depth, slot)`` snapshots to take, and ``num_snapshots`` the bucket ``M`` of snapshot
+    entries (None without a cache, and in DECODE steps).
 
     >>> plan = StepPlan(ForwardMode.DECODE, ((Request(0, [1], 2, row=1, computed=1), [7]),),
     ...                 (1, 1, 64, 1))
@@ -144,6 +236,9 @@ class StepPlan:
     mode: ForwardMode
     work: tuple[tuple[Request, list[int]], ...]
     buckets: tuple[int, int, int, int]
+    restores: tuple[int, ...] = ()
+    snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
+    num_snapshots: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -157,33 +252,43 @@ class StepPlan:
 
     def items(self) -> list[WorkItem]:
         """The work as ``WorkItem``s for ``make_worker_batch``."""
-        return [WorkItem(r.row, r.computed, toks, r.sampling) for r, toks in self.work]
+        out = []
+        for i, (r, toks) in enumerate(self.work):
+            restore = self.restores[i] if self.restores else 0
+            snaps = self.snapshots[i] if self.snapshots else ()
+            out.append(WorkItem(r.row, r.computed, toks, r.sampling, restore, snaps))
+        return out
 
 
 class Scheduler:
-    """FIFO admission, chunked prefill and finishing over ``capacity`` token slots and
-    ``max_running_requests`` rows (see the module docstring).
+    """FIFO admission, prefix caching, chunked prefill and finishing over ``capacity`` token
+    slots and ``max_running_requests`` rows (see the module docstring).
 
     Args:
-        capacity: token slots requests may reserve (the sink excluded).
+        capacity: token slots requests and the prefix cache may hold (the sink excluded).
         max_running_requests: requests that run at once.
         chunked_prefill_size: prompt tokens per step.
         request_buckets: the shape buckets of ``B`` (the last must hold every row).
         token_buckets: the shape buckets of ``T`` and ``Q`` (the last must hold a step's
             prompt chunk and one token of each decoding request).
         kv_buckets: the shape buckets of ``W`` (the last must hold the longest context).
+        num_snapshot_slots: snapshot slots (the sink included); 0: no prefix cache.
+        snapshot_interval: the snapshot grid (a multiple of the KDA chunk).
+        snapshot_buckets: the shape buckets of ``M``, snapshot entries in a step.
 
     >>> sched = Scheduler(capacity=8, max_running_requests=1, chunked_prefill_size=4,
     ...                   request_buckets=(1,), token_buckets=(4,), kv_buckets=(8,))
     >>> sched.add(Request(0, [1, 2, 3], max_new_tokens=2))
     >>> sched.add(Request(1, [4], max_new_tokens=1))
-    >>> [r.rid for r in sched.admissible()]  # one row: the second waits
-    [0]
+    >>> sched.admitted(sched.admit_next(), row=1)
+    >>> sched.admit_next() is None  # one row: the second waits
+    True
     """
 
     def __init__(self, *, capacity: int, max_running_requests: int, chunked_prefill_size: int,
                  request_buckets: Sequence[int], token_buckets: Sequence[int],
-                 kv_buckets: Sequence[int]):
+                 kv_buckets: Sequence[int], num_snapshot_slots: int = 0,
+                 snapshot_interval: int = 256, snapshot_buckets: Sequence[int] = (0, 4, 16)):
         self.capacity = capacity
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
@@ -194,6 +299,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.releasing: list[Request] = []  # finished, rows and slots not given back yet
         self.reserved = 0  # token slots reserved by running and releasing requests
+        self.device_ops: deque = deque()  # FreeSlots / Borrow / Release, in order
+        self.tree: RadixCache | None = None
+        self.snapshot_slots: SnapshotSlots | None = None
+        if num_snapshot_slots:
+            self.tree = RadixCache(states=True)
+            self.snapshot_slots = SnapshotSlots(num_snapshot_slots)
+        self.snapshot_interval = snapshot_interval
+        self.snapshot_buckets = tuple(snapshot_buckets)
+        # counters the engine reports
+        self.snapshots_taken = self.state_evictions = self.token_evictions = 0
 
     @property
     def num_running(self) -> int:
@@ -210,30 +325,124 @@ class Scheduler:
         """Rows held by running requests and by finished ones not released yet."""
         return len(self.running) + len(self.releasing)
 
+    @property
+    def cached_size(self) -> int:
+        """Token slots the prefix cache holds."""
+        return self.tree.total_size if self.tree is not None else 0
+
     def add(self, req: Request) -> None:
         """Queue ``req`` (validated by the caller) at the back."""
         self.waiting.append(req)
 
-    def admissible(self) -> list[Request]:
-        """The waiting requests to admit now, in order (reads only): FIFO while a row is free
-        and the token slots of the request's whole life fit beside every reservation."""
-        out, rows, reserved = [], self.rows_held, self.reserved
-        for req in self.waiting:
-            if rows >= self.max_running_requests or reserved + req.need > self.capacity:
-                break  # strictly FIFO: a large request is not overtaken
-            out.append(req)
-            rows += 1
-            reserved += req.need
-        return out
+    # ------------------------------------------------------------------ admission ----
 
-    def admitted(self, req: Request, row: int) -> None:
-        """Commit the admission of ``req`` (the front of the queue) into ``row``."""
+    def admit_next(self) -> Admission | None:
+        """Choose the next waiting request to admit (FIFO: a large request is not overtaken),
+        or None: no row free, not enough token slots even after evicting unlocked cached
+        prefixes, or (with a cache) a prompt still prefilling would give this one a snapshot
+        soon. Commit it with ``admitted`` once the engine has its row, or ``cancel``."""
+        if not self.waiting or self.rows_held >= self.max_running_requests:
+            return None
+        req = self.waiting[0]
+        if self.tree is None:
+            if self.reserved + req.need > self.capacity:
+                return None
+            req.owned = req.need
+            return Admission(req)
+        if self._defer(req):
+            return None
+        tree, L = self.tree, len(req.prompt)
+        kv = tree.match_prefix(req.prompt)
+        st = tree.match_prefix(req.prompt[:-1]).state_node  # logits need the last token run
+        tree.lock(kv.node)
+        P, S = len(kv.slots), st.depth
+        need = L - P + req.max_new_tokens - 1
+        short = tree.total_size + self.reserved + need - self.capacity
+        if short > 0:
+            self._evicted(tree.evict(short))
+        if tree.total_size + self.reserved + need > self.capacity:
+            tree.unlock(kv.node)
+            return None  # wait for running requests to finish
+        points = snapshot_points(L, P, S, self.snapshot_interval)
+        # Priority when snapshot slots are short: the end of the request, one before the end
+        # of the prompt, the branch point, then the grid from the top.
+        first = [p for p in dict.fromkeys((L - 1, P)) if p in points]  # P may be L - 1
+        order = first + sorted((p for p in points if p not in first), reverse=True)
+        slots = self._take_snapshot_slots(len(order) + 1)
+        req.finish_slot = slots.pop(0) if slots else 0
+        req.planned = dict(zip(order, slots, strict=False))
+        req.node, req.borrowed, req.start = kv.node, P, S
+        req.restore = st.state if st.state is not None else 0
+        req.owned = need
+        return Admission(req, tuple(kv.slots), S)
+
+    def _defer(self, req: Request) -> bool:
+        """Wait while a prompt still prefilling (not in the tree yet) shares enough of this
+        prompt for its snapshots to reach a grid point past what the tree gives now."""
+        have = self.tree.match_prefix(req.prompt[:-1]).state_node.depth
+        for r in self.running:
+            if r.inserted:
+                continue
+            n, limit = 0, min(len(req.prompt) - 1, len(r.prompt) - 1)
+            while n < limit and req.prompt[n] == r.prompt[n]:
+                n += 1
+            if n // self.snapshot_interval * self.snapshot_interval > have:
+                return True
+        return False
+
+    def _take_snapshot_slots(self, n: int) -> list[int]:
+        slots = self.snapshot_slots.take(n)
+        if len(slots) < n:
+            self._evicted(self.tree.evict_states(n - len(slots)), states=True)
+            slots += self.snapshot_slots.take(n - len(slots))
+        return slots
+
+    def _evicted(self, freed, states: bool = False) -> None:
+        """Give what the tree evicted back: token slots through the device queue, snapshot
+        slots to the free list."""
+        if freed.slots:
+            self.device_ops.append(FreeSlots(tuple(freed.slots)))
+            self.token_evictions += len(freed.slots)
+        if freed.states:
+            self.snapshot_slots.give(freed.states)
+            self.state_evictions += len(freed.states)
+
+    def reset_cache(self) -> None:
+        """Evict every cached prefix and snapshot no running request holds (the token slots
+        are freed through ``device_ops``)."""
+        if self.tree is not None:
+            self._evicted(self.tree.evict_states(self.tree.num_states))
+            self._evicted(self.tree.evict(self.tree.total_size))
+
+    def admitted(self, adm: Admission, row: int) -> None:
+        """Commit the admission ``adm`` (the front of the queue) into ``row``."""
+        req = adm.req
         if not self.waiting or self.waiting[0] is not req:
             raise ValueError(f"request {req.rid} is not the next waiting request")
         self.waiting.popleft()
-        req.row, req.computed = row, 0
+        req.row, req.computed = row, adm.computed
         self.running.append(req)
-        self.reserved += req.need
+        self.reserved += req.owned
+
+    def cancel(self, adm: Admission) -> None:
+        """Undo ``admit_next`` (the engine could not set up the row): the request stays at the
+        front of the queue; its lock and snapshot slots are given back."""
+        req = adm.req
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        self._give_snapshots(req)
+        req.node, req.borrowed, req.start, req.restore, req.owned = None, 0, 0, 0, 0
+
+    def _give_snapshots(self, req: Request) -> None:
+        slots = [*req.planned.values(), *req.taken.values()]
+        if req.finish_slot and not req.end_depth:
+            slots.append(req.finish_slot)
+            req.finish_slot = 0
+        if slots:
+            self.snapshot_slots.give(slots)
+        req.planned, req.taken = {}, {}
+
+    # ----------------------------------------------------------------------- steps ----
 
     def plan(self) -> StepPlan | None:
         """The next step (reads only), or None when nothing is running."""
@@ -257,17 +466,34 @@ class Scheduler:
         W = bucket(max(r.computed + len(t) for r, t in work), self.kv_buckets, "context length")
         T = bucket(sum(len(t) for _, t in work), self.token_buckets, "tokens in a step")
         Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
-        return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q))
+        if self.tree is None:
+            return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q))
+        restores = tuple(r.restore if r.computed == r.start and r.prefilling else 0
+                         for r, _ in work)
+        snaps = tuple(tuple(sorted((d, s) for d, s in r.planned.items()
+                                   if r.computed < d <= r.computed + len(t)))
+                      for r, t in work)
+        M = bucket(sum(map(len, snaps)), self.snapshot_buckets, "snapshots in a step")
+        return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps, M)
 
-    def commit(self, plan: StepPlan, tokens: Sequence[int]
+    def commit(self, plan: StepPlan, tokens: Sequence[int],
+               read_slots: Callable[[Request, int], Sequence[int]] | None = None,
                ) -> tuple[list[tuple[int, int, bool]], list[Request]]:
         """Record that ``plan`` ran and sampled ``tokens`` (one per work item, in order):
         returns ``(events, done)``, ``events`` the ``(rid, token, finished)`` generated (a
-        prompt chunk's sample is discarded) and ``done`` the requests that finished. They
-        keep their rows and reservations until ``released``."""
+        prompt chunk's sample is discarded) and ``done`` the requests that finished (their
+        release is queued in ``device_ops``). With a prefix cache, ``read_slots(req, n)``
+        gives the token slots of the first ``n`` positions of ``req``'s row (the engine
+        reads them off the device) for what goes into the tree."""
         events, done = [], []
-        for (r, toks), tok in zip(plan.work, tokens, strict=False):
+        for i, ((r, toks), tok) in enumerate(zip(plan.work, tokens, strict=False)):
+            was_prefilling = r.prefilling
             r.computed += len(toks)
+            if plan.snapshots:
+                for d, s in plan.snapshots[i]:
+                    r.taken[d] = r.planned.pop(d, s)
+            if was_prefilling and not r.prefilling and self.tree is not None:
+                self._insert_prompt(r, read_slots)
             if r.prefilling or r.finished:
                 continue
             tok = int(tok)
@@ -279,12 +505,45 @@ class Scheduler:
             events.append((r.rid, tok, r.finished))
             if r.finished:
                 done.append(r)
+        for r in done:
+            if self.tree is not None and r.inserted:
+                self._insert_answer(r, read_slots)
         self._retire(done)
         return events, done
 
+    def _insert_prompt(self, r: Request, read_slots) -> None:
+        """The prompt has been prefilled: it goes into the tree with its snapshots, and the row
+        borrows all of it from then on (a device op frees the row's duplicates)."""
+        tree, L = self.tree, len(r.prompt)
+        tree.insert(r.prompt, list(read_slots(r, L)))
+        m = tree.match_prefix(r.prompt)
+        tree.lock(m.node)
+        tree.unlock(r.node)
+        r.node, r.inserted, r.prompt_slots = m.node, True, list(m.slots)
+        for d, s in sorted(r.taken.items()):
+            if tree.add_state(r.prompt[:d], s):
+                self.snapshots_taken += 1
+            else:  # a concurrent request put a state there first
+                self.snapshot_slots.give([s])
+        r.taken = {}
+        self.device_ops.append(Borrow(r, tuple(r.prompt_slots)))
+        self.reserved -= L - r.borrowed
+        r.owned -= L - r.borrowed
+        r.borrowed = L
+
+    def _insert_answer(self, r: Request, read_slots) -> None:
+        """A finished request: prompt and the answer tokens that ran go into the tree, the row
+        hands the answer's new slots over (``keep_from``), and its release snapshots the end."""
+        L, F = len(r.prompt), len(r.prompt) + len(r.output) - 1
+        ran = r.tokens[:F]
+        slots = r.prompt_slots + list(read_slots(r, F))[L:]
+        r.keep_from = self.tree.insert(ran, slots)
+        if r.finish_slot:
+            r.end_depth = F
+
     def abort(self, rid: int) -> Request | None:
         """End request ``rid``: a waiting one leaves the queue; a running one finishes
-        (``"abort"``) and must be released like any finished request. Returns it, or None if
+        (``"abort"``) and is released like any finished request. Returns it, or None if
         it is not waiting or running."""
         for r in self.waiting:
             if r.rid == rid:
@@ -299,12 +558,38 @@ class Scheduler:
         return None
 
     def _retire(self, done: list[Request]) -> None:
+        if not done:
+            return
         for r in done:
             self.running.remove(r)
             self.releasing.append(r)
+            if r.node is not None:
+                self.tree.unlock(r.node)
+                r.node = None
+            if self.snapshot_slots is not None:
+                self._give_snapshots(r)
+        self.device_ops.append(Release(tuple(done)))
 
-    def released(self, done: Sequence[Request]) -> None:
-        """Commit that the rows and token slots of the finished ``done`` are free again."""
+    # --------------------------------------------------------------- device ops ----
+
+    def op_done(self, op) -> None:
+        """The engine carried out ``op`` (the front of ``device_ops``) on the device."""
+        if not self.device_ops or self.device_ops[0] is not op:
+            raise ValueError(f"{type(op).__name__} is not the next device op")
+        self.device_ops.popleft()
+        if isinstance(op, Release):
+            self._released(op.reqs)
+
+    def _released(self, done: Sequence[Request]) -> None:
+        """The rows and token slots of the finished ``done`` are free again, and their end
+        snapshots are written: they go into the tree."""
         for r in done:
             self.releasing.remove(r)
-            self.reserved -= r.need
+            self.reserved -= r.owned
+            r.owned = 0
+            if r.end_depth:
+                if self.tree.add_state(r.tokens[: r.end_depth], r.finish_slot):
+                    self.snapshots_taken += 1
+                else:  # the tree has a state there already, or evicted that path
+                    self.snapshot_slots.give([r.finish_slot])
+                r.finish_slot, r.end_depth = 0, 0

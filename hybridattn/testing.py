@@ -408,6 +408,7 @@ class RefReqToTokenPool:
         self.rows: dict[int, int] = {}
         self.table: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}  # recorded length of each live row
+        self.borrowed: dict[int, int] = {}  # leading positions each row borrows from a cache
 
     @classmethod
     def from_pool(cls, pool: ReqToTokenPool) -> RefReqToTokenPool:
@@ -417,11 +418,12 @@ class RefReqToTokenPool:
                   pool.num_state_slots if hybrid else None, hybrid=hybrid)
         free = set(_free_stack(pool.allocator))
         states = _host(pool.req_to_state) if hybrid else None
-        table, lens = _host(pool.req_to_token), _host(pool.req_lens)
+        table, lens, bor = _host(pool.req_to_token), _host(pool.req_lens), _host(pool.borrowed)
         for row in sorted(set(range(1, pool.max_running_requests + 1)) - free):
             ref.rows[row] = int(states[row]) if hybrid else 0
             ref.table[row] = table[row].tolist()
             ref.lens[row] = int(lens[row])
+            ref.borrowed[row] = int(bor[row])
         ref.check(pool)
         return ref
 
@@ -459,8 +461,29 @@ class RefReqToTokenPool:
         for r in rows:
             self.rows[r] = min(self.free_states) if self.hybrid else 0
             self.table[r] = [0] * self.max_context_len
-            self.lens[r] = 0
+            self.lens[r] = self.borrowed[r] = 0
         return rows
+
+    def borrow(self, row: int, slots: Sequence[int], computed: int | None = None) -> list[int]:
+        """Record ``serving.borrow_prefix`` for ``row``: its first ``len(slots)`` positions
+        hold ``slots`` (a cache's) and are borrowed; returns the row's own slots it replaced
+        (the real call frees them).
+
+        >>> ref = RefReqToTokenPool(max_running_requests=1, max_context_len=4)
+        >>> row = ref.take(1)[0]
+        >>> ref.borrow(row, [7, 8], computed=1), ref.token_slots(row), ref.borrowed[row]
+        ([], [7, 8, 0, 0], 2)
+        """
+        if row not in self.rows:
+            _fail(f"borrow into row {row}, which is not in use")
+        old = self.table[row][: len(slots)]
+        replaced = [o for p, (o, n) in enumerate(zip(old, slots, strict=True))
+                    if p >= self.borrowed[row] and o and o != n]
+        self.table[row][: len(slots)] = list(slots)
+        self.borrowed[row] = len(slots)
+        if computed is not None:
+            self.lens[row] = computed
+        return replaced
 
     def token_slots(self, row: int) -> list[int]:
         """The token slots recorded for ``row`` (all zeros for a free row)."""
@@ -497,7 +520,7 @@ class RefReqToTokenPool:
         for r, s in zip(got, states, strict=True):
             self.rows[r] = s
             self.table[r] = [0] * self.max_context_len
-            self.lens[r] = 0
+            self.lens[r] = self.borrowed[r] = 0
         self.check(pool)
         return pool
 
@@ -510,7 +533,7 @@ class RefReqToTokenPool:
         if mask is not None:
             keep &= _host(mask).astype(bool).reshape(-1)
         for r in set(rows[keep].tolist()) & set(self.rows):
-            del self.rows[r], self.table[r], self.lens[r]
+            del self.rows[r], self.table[r], self.lens[r], self.borrowed[r]
 
     def write_token_slots(
         self, req_indices: Int[ArrayLike, " T"], positions: Int[ArrayLike, " T"],
@@ -553,6 +576,11 @@ class RefReqToTokenPool:
             lens[r] = n
         if not np.array_equal(_host(pool.req_lens), lens):
             _fail(f"req_lens {_host(pool.req_lens).tolist()}, expected {lens.tolist()}")
+        bor = np.zeros(self.max_running_requests + 1, np.int64)
+        for r, n in self.borrowed.items():
+            bor[r] = n
+        if not np.array_equal(_host(pool.borrowed), bor):
+            _fail(f"borrowed {_host(pool.borrowed).tolist()}, expected {bor.tolist()}")
         if isinstance(pool, HybridReqToTokenPool) != self.hybrid:
             _fail(f"the model is {'hybrid' if self.hybrid else 'plain'}, the pool is not")
         if self.hybrid:
@@ -612,7 +640,7 @@ class RefServingPools:
         every request with new tokens names a distinct row in use (never row 0) whose recorded
         length is ``seq_lens - extend_seq_lens``, with ``seq_lens <= kv_width`` and
         ``extend_seq_lens <= max_extend_len``; its tokens lie in the vocabulary; the new tokens
-        fit ``T`` and the free token slots."""
+        fit ``T`` and the free token slots (positions a row borrows take none)."""
         rows, seq, ext = (_host(x).astype(np.int64) for x in
                           (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
         if (rows < 0).any() or (seq < 0).any() or (ext < 0).any():
@@ -634,8 +662,11 @@ class RefServingPools:
             start += e
             if self.vocab_size is not None and ((mine < 0) | (mine >= self.vocab_size)).any():
                 return False
-        total = int(ext.sum())
-        return total <= batch.num_tokens and self.tokens.can_alloc(total)
+        # new token slots: every new position but those the row borrows from a prefix cache
+        fresh = sum(max(s - max(s - e, self.requests.borrowed[r]), 0)
+                    for r, s, e in zip(rows.tolist(), seq.tolist(), ext.tolist(), strict=True)
+                    if e > 0)
+        return int(ext.sum()) <= batch.num_tokens and self.tokens.can_alloc(fresh)
 
     def step(self, batch: ModelWorkerBatch, state: ServingState,
              ok: Bool[ArrayLike, ""]) -> ServingState:
@@ -652,10 +683,11 @@ class RefServingPools:
         if expect:
             for r, s, e in zip(rows, seq, ext, strict=True):
                 if r > 0 and e > 0:
-                    got = table[r, s - e: s].tolist()
+                    lo = max(s - e, self.requests.borrowed[r])  # borrowed positions keep theirs
+                    got = table[r, lo: s].tolist()
                     new_slots += got
                     live_states.add(self.requests.rows[r])
-                    self.requests.table[r][s - e: s] = got
+                    self.requests.table[r][lo: s] = got
                     self.requests.lens[r] = s
             self.tokens._take(new_slots, "the step's new-token allocation")
         self._check_untouched(state, {0, *new_slots}, {0, *live_states})
@@ -683,24 +715,35 @@ class RefServingPools:
                           (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
         for r, n, e in zip(rows.tolist(), seq.tolist(), ext.tolist(), strict=True):
             if e > 0:
-                got = sorted(self.tokens.free)[:e]
+                lo = max(n - e, self.requests.borrowed[r])  # borrowed positions keep theirs
+                got = sorted(self.tokens.free)[: max(n - lo, 0)]
                 self.tokens._take(got, "apply")
-                self.requests.table[r][n - e: n] = got
+                self.requests.table[r][lo: n] = got
                 self.requests.lens[r] = n
         return True
 
+    def borrow(self, row: int, slots: Sequence[int], computed: int | None = None) -> None:
+        """Record ``serving.borrow_prefix``: the row borrows ``slots``; the row's own slots
+        they replace are freed."""
+        self.tokens.free_slots(self.requests.borrow(row, slots, computed))
+
     def release(self, req_pool_indices: Int[ArrayLike, " B"] | Sequence[int],
-                mask: Bool[ArrayLike, " B"] | None = None) -> None:
-        """Record ``serving.release(state, req_pool_indices, mask)``: every row in use (each
-        once; row 0, free rows and repeats ignored) gives back its recorded token slots, its row
+                mask: Bool[ArrayLike, " B"] | None = None,
+                keep_from: Sequence[int | None] | None = None) -> None:
+        """Record ``serving.release(state, req_pool_indices, mask, keep_from=...)``: every row in
+        use (each once; row 0, free rows and repeats ignored) gives back the token slots it
+        owns (recorded at positions from its borrowed length up to ``keep_from``), its row
         and its state slot."""
         rows = _host(req_pool_indices).astype(np.int64).reshape(-1)
         keep = np.ones_like(rows, bool) if mask is None else _host(mask).astype(bool)
+        upto = [None] * len(rows) if keep_from is None else list(keep_from)
         done: list[int] = []
-        for r, k in zip(rows.tolist(), keep.reshape(-1).tolist(), strict=True):
+        for r, k, u in zip(rows.tolist(), keep.reshape(-1).tolist(), upto, strict=True):
             if k and r in self.requests.rows and r not in done:
                 done.append(r)
-                self.tokens.free_slots([s for s in self.requests.table[r] if s])
+                lo = self.requests.borrowed[r]
+                hi = self.requests.max_context_len if u is None else u
+                self.tokens.free_slots([s for s in self.requests.table[r][lo:hi] if s])
         self.requests.free_reqs(np.asarray(done, np.int64))
 
     def check(self, state: ServingState) -> None:

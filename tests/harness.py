@@ -118,6 +118,15 @@ def engine(**kw) -> Engine:
     return Engine(CFG, PARAMS, **{**ENGINE, **kw})
 
 
+def assert_whole(eng: Engine) -> None:
+    """Every token slot of ``eng`` is free or held by its prefix cache, and freeing the cache
+    frees them all: nothing leaked."""
+    assert eng.num_free_slots + eng.num_cached_slots == eng.capacity
+    if not eng.has_unfinished():
+        eng.reset_cache()
+        assert eng.num_free_slots == eng.capacity
+
+
 def prompts_of(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]

@@ -70,8 +70,15 @@ def stream_kw(specs, seed=0):
 
 
 def assert_idle_and_whole(eng: Engine) -> None:
-    """Nothing running or queued, every token slot, row and state slot free."""
+    """Nothing running or queued, every token slot, row, state slot and snapshot slot free
+    once the prefix cache lets go of what it holds."""
     assert not eng.has_unfinished()
+    assert eng.num_free_slots + eng.num_cached_slots == eng.capacity
+    eng.reset_cache()
+    if eng.tree is not None:
+        assert eng.tree.total_size == eng.tree.num_states == 0
+        slots = eng.scheduler.snapshot_slots
+        assert slots.num_free == slots.capacity
     st_ = eng.state
     assert int(st_.token_allocator.num_free) == eng.capacity
     assert int(st_.req_to_token_pool.allocator.num_free) == (
@@ -322,7 +329,7 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
     assert_idle_and_whole(eng)
 
 
-@pytest.mark.parametrize("where", ["make_worker_batch", "_step", "_release", "_alloc_row"])
+@pytest.mark.parametrize("where", ["make_worker_batch", "_step", "_release", "_admit", "_borrow"])
 def test_an_exception_inside_a_round_leaves_the_engine_consistent(monkeypatch, where):
     eng = engine()
     real, raised = getattr(E, where), []

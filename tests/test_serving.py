@@ -16,6 +16,7 @@ from harness import (
     ENGINE,
     PARAMS,
     STEP,
+    assert_whole,
     decode_batch,
     engine,
     prefilled,
@@ -89,7 +90,7 @@ def test_engine_many_concurrent_requests_equal_mlx_lm(mlx_greedy, loaded):
     got = eng.generate(prompts, max_new_tokens=5)
     assert got == [mlx_greedy(p, 5) for p in prompts]
     assert eng.num_running == 0 and eng.num_waiting == 0
-    assert int(eng.state.token_allocator.num_free) == eng.capacity  # every slot came back
+    assert_whole(eng)  # every slot came back
 
 
 def test_stream_yields_what_generate_returns():
@@ -110,7 +111,7 @@ def test_stop_token_ends_a_request_and_frees_its_slots():
     eng = engine()
     out = eng.generate([p], 6, stop_token_ids=[stop])[0]
     assert out == free_run[: free_run.index(stop) + 1]
-    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    assert_whole(eng)
 
 
 def test_pool_sizes_from_the_memory_budget(monkeypatch):
@@ -167,7 +168,7 @@ def test_continuous_batching_equals_serving_alone():
         while alone.has_unfinished():
             got += [tok for r, tok, _ in alone.step() if r == rid]
         assert outs[i] == got, f"request {i}"
-    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    assert_whole(eng)
 
 
 def test_compilations_bounded_over_200_steps():
@@ -333,7 +334,7 @@ def test_step_on_drawn_batches_keeps_the_pool_contract_and_samples_within_suppor
 def test_release_returns_every_slot():
     eng = engine()
     eng.generate(prompts_of([40, 3, 17], seed=2), 4)
-    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    assert_whole(eng)
     assert int(eng.state.req_to_token_pool.allocator.num_free) == 8
     assert int(eng.state.req_to_token_pool.state_allocator.num_free) == 8
     assert int(jnp.abs(eng.state.req_to_token_pool.req_to_token).sum()) == 0
@@ -456,12 +457,12 @@ def test_abandoned_stream_and_abort_free_everything():
     for _ in eng.stream(prompts_of([20, 5, 9, 30, 12, 3], seed=6), 6):
         break  # the consumer walks away after the first token
     assert not eng.has_unfinished()
-    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    assert_whole(eng)
     rid = eng.add_request(prompts_of([10])[0], 5)
     eng.step()
     assert eng.abort(rid) and not eng.abort(rid)
     assert int(eng.state.req_to_token_pool.allocator.num_free) == 8
-    assert int(eng.state.token_allocator.num_free) == eng.capacity
+    assert_whole(eng)
 
 
 def test_demo_serves_a_checkpoint_directory(checkpoint, capsys, monkeypatch):
