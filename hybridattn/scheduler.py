@@ -364,13 +364,15 @@ class Scheduler:
             tree.unlock(kv.node)
             return None  # wait for running requests to finish
         points = snapshot_points(L, P, S, self.snapshot_interval)
-        # Priority when snapshot slots are short: the end of the request, one before the end
-        # of the prompt, the branch point, then the grid from the top.
-        first = [p for p in dict.fromkeys((L - 1, P)) if p in points]  # P may be L - 1
-        order = first + sorted((p for p in points if p not in first), reverse=True)
-        slots = self._take_snapshot_slots(len(order) + 1)
+        # The end of the request, one before the end of the prompt and the branch point may
+        # evict older states for their slots (they serve the next turn, a repeat, a sibling);
+        # grid points take free slots only, the deepest first.
+        key = [p for p in dict.fromkeys((L - 1, P)) if p in points]  # P may be L - 1
+        slots = self._take_snapshot_slots(len(key) + 1)
         req.finish_slot = slots.pop(0) if slots else 0
-        req.planned = dict(zip(order, slots, strict=False))
+        grid = sorted((p for p in points if p not in key), reverse=True)
+        slots += self.snapshot_slots.take(len(grid))
+        req.planned = dict(zip(key + grid, slots, strict=False))
         req.node, req.borrowed, req.start = kv.node, P, S
         req.restore = st.state if st.state is not None else 0
         req.owned = need
