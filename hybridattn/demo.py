@@ -5,7 +5,11 @@ repeated; MoE with a shared expert after a dense first layer) and random weights
 batch of requests of mixed lengths through :class:`hybridattn.Engine` (chunked prefill, more
 requests than fit at once, one jitted pure ``step`` per round), then checks every generated
 token against greedy decoding with the cache-free :func:`~hybridattn.models.kimi_linear.apply`
-and prints throughput, time to first token, compilations and memory per token.
+and prints throughput, time to first token, compilations and memory per token. A second
+round then sends requests that share prefixes with the first (follow-up turns: a prompt + its
+answer + a new message; and siblings: most of a prompt + a new ending), served with the
+engine's prefix cache and, for comparison, by an engine without one: it prints the hit rate
+and the time to first token with and without reuse, and checks those tokens too.
 
 ``--model DIR`` serves a Hugging Face checkpoint directory instead (``config.json`` plus
 ``model.safetensors`` or shards); prompts are random token ids, as there is no tokenizer here.
@@ -102,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lens]
     ctx = int(lens.max()) + args.max_new_tokens
     ctx = -(-ctx // 64) * 64
+    ctx *= 2  # room for the second round's follow-up turns
     R = args.max_running
-    engine = Engine(
-        config, params, max_running_requests=R, max_context_len=ctx,
-        chunked_prefill_size=args.chunked_prefill,
-        # one bucket per dimension: one compilation for prefill / mixed steps, one for decode
-        request_buckets=(R,), token_buckets=(args.chunked_prefill + R,), kv_buckets=(ctx,),
-    )
+    # one bucket per dimension: one compilation for prefill / mixed steps, one for decode
+    geometry = dict(max_running_requests=R, max_context_len=ctx,
+                    chunked_prefill_size=args.chunked_prefill, request_buckets=(R,),
+                    token_buckets=(args.chunked_prefill + R,), kv_buckets=(ctx,))
+    engine = Engine(config, params, snapshot_interval=32,
+                    snapshot_buckets=(args.chunked_prefill // 32 + 3 * R,),
+                    **geometry)
     print(f"serving {args.requests} requests (prompts {lens.min()}-{lens.max()} tokens, "
           f"{args.max_new_tokens} new each), at most {engine.max_running_requests} at once, "
           f"prefill chunks of {args.chunked_prefill} tokens")
@@ -137,6 +143,29 @@ def main(argv: list[str] | None = None) -> int:
         ok = matched == total
         print(f"check against apply-based greedy decoding: {matched}/{total} tokens match"
               + (f" ({ties} near-ties)" if ties else "") + (": OK" if ok else ": MISMATCH"))
+
+    # Round two: follow-up turns and siblings of round one's requests.
+    follow = [p + o + rng.integers(0, config.vocab_size, 8).tolist()
+              for p, o in zip(prompts[: args.requests // 2], outputs, strict=False)]
+    siblings = [p[: max(1, 3 * len(p) // 4)] + rng.integers(0, config.vocab_size, 6).tolist()
+                for p in prompts[args.requests // 2:]]
+    second = [p[: ctx - args.max_new_tokens] for p in follow + siblings]
+    engine.reset_stats()
+    again = engine.generate(second, args.max_new_tokens)
+    hit = engine.stats
+    cold = Engine(config, params, prefix_cache=False, **geometry)
+    cold.warmup()
+    base = cold.generate(second, args.max_new_tokens)
+    print(f"round two, {len(second)} requests sharing prefixes with round one "
+          f"({len(follow)} follow-up turns, {len(siblings)} siblings): prefix cache hit rate "
+          f"{hit.hit_rate:.0%} ({hit.cached_tokens}/{hit.prompt_tokens} prompt tokens), "
+          f"{hit.snapshots_taken} KDA state snapshots taken")
+    print(f"  time to first token: mean {hit.mean_ttft:.2f} s with reuse vs "
+          f"{cold.stats.mean_ttft:.2f} s without; prefill {hit.effective_prefill_tok_s:.0f} vs "
+          f"{cold.stats.effective_prefill_tok_s:.0f} tok/s (all prompt tokens per second)")
+    same = again == base
+    ok = ok and same
+    print(f"  tokens with the cache equal the tokens without it: {'OK' if same else 'MISMATCH'}")
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0 if ok else 1
 

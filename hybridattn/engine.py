@@ -311,6 +311,9 @@ class Engine:
             16 up to ``chunked_prefill_size + max_running_requests``).
         kv_buckets: shape buckets of the attention width (default: powers of four from 64
             up to ``max_context_len``).
+        snapshot_buckets: shape buckets of the state snapshots an extend step takes (default:
+            0, then powers of four from 4 up to what a step can take: one per grid interval
+            of a prefill chunk and three per request); one bucket means one variant.
         chunk_size: the KDA prefill chunk.
         dtype: the pools' floating dtype (MLA latents and conv states; KDA states are float32).
         seed: the base sampling key (``ServingState.create``).
@@ -319,9 +322,9 @@ class Engine:
             prompt from token 0.
         snapshot_interval: the snapshot grid along every prefill, a positive multiple of
             ``chunk_size`` (default: the multiple of it nearest 256, at least one chunk).
-        num_snapshot_slots: snapshot slots (the sink included); default: enough for four
-            snapshots per request row, or two per grid interval of a full context, whichever
-            is more, within a quarter of the memory budget.
+        num_snapshot_slots: snapshot slots (the sink included); default: one per grid
+            interval of the token pool and four per request row, within a quarter of the
+            memory budget.
 
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
@@ -386,6 +389,7 @@ class Engine:
         request_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
         kv_buckets: Sequence[int] | None = None,
+        snapshot_buckets: Sequence[int] | None = None,
         chunk_size: int = 32,
         dtype=jnp.float32,
         seed: int = 0,
@@ -451,7 +455,9 @@ class Engine:
         if not prefix_cache:
             num_snapshot_slots = 0
         elif num_snapshot_slots is None:
-            want = max(4 * max_running_requests, 2 * -(-max_context_len // snapshot_interval))
+            # a grid snapshot for every interval the token pool can cache, and a few more per
+            # request (the branch point, the last-but-one prompt token, the end)
+            want = num_token_slots // snapshot_interval + 4 * max_running_requests
             fit = int(0.25 * budget) // max(snap_bytes, 1)
             num_snapshot_slots = min(want, fit) + 1
             if num_snapshot_slots < 2:
@@ -480,6 +486,18 @@ class Engine:
         self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))
         self.token_buckets = _buckets("token_buckets", token_buckets, ladder(16, max_t))
         self.kv_buckets = _buckets("kv_buckets", kv_buckets, ladder(64, max_context_len))
+        # snapshots one step may take: a grid point per interval of its prompt tokens and one
+        # more per request (a chunk rarely starts on the grid), a branch point and the
+        # last-but-one prompt token per request
+        most = chunked_prefill_size // snapshot_interval + 3 * R
+        sb = tuple((0, *ladder(4, max(4, most))) if snapshot_buckets is None
+                   else snapshot_buckets)
+        if (not sb or not all(isinstance(b, int) and not isinstance(b, bool) for b in sb)
+                or list(sb) != sorted(set(sb)) or sb[0] < 0 or sb[-1] < most):
+            raise ValueError(f"snapshot_buckets={snapshot_buckets!r} must be increasing ints >= 0 "
+                             f"reaching {most}: a step may take a snapshot per grid interval of a "
+                             f"prefill chunk and three per request")
+        self.snapshot_buckets = sb
         if self.kv_buckets[-1] > max_context_len:
             raise ValueError(f"kv_buckets={self.kv_buckets} must not exceed max_context_len="
                              f"{max_context_len}")
@@ -499,8 +517,7 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
             token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
             num_snapshot_slots=num_snapshot_slots, snapshot_interval=snapshot_interval,
-            snapshot_buckets=(0, *ladder(4, max(4, R * (chunked_prefill_size
-                                                       // snapshot_interval + 3)))))
+            snapshot_buckets=self.snapshot_buckets)
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it
@@ -780,7 +797,8 @@ class Engine:
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row (a device read)."""
-        return np.asarray(self.state.req_to_token_pool.req_to_token[req.row, :n]).tolist()
+        # the whole row, sliced on the host: one device read of one shape whatever n is
+        return np.asarray(self.state.req_to_token_pool.req_to_token[req.row])[:n].tolist()
 
     # ---------------------------------------------------------------------------------------
     # convenience
