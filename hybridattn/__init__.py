@@ -14,7 +14,8 @@ inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
   ``save_pretrained``), the serving ``forward`` and the cache-free ``apply``.
 * ``hybridattn.serving``: the pure serving ``step`` over a ``ServingState``:
   ``new_state, out = step(params, state, batch)``.
-* ``Engine``: continuous batching around ``step``: ``engine.generate(prompts, 16)``.
+* ``Engine``: continuous batching and prefix caching around ``step``:
+  ``engine.generate(prompts, 16)``; ``hybridattn.scheduler`` is its plain-Python host logic.
 * ``hybridattn.testing`` (imported on its own; needs hypothesis): strategies and reference
   implementations for property tests.
 
@@ -46,6 +47,7 @@ from hybridattn.backend import (
     KDAAttnBackend,
     LinearAttnMetadata,
     MLAAttnBackend,
+    SnapshotSpec,
     attn_backend_wrapper,
     check_forward_batch,
 )
@@ -74,6 +76,7 @@ from hybridattn.serving import (
     ServingState,
     StepOutput,
     WorkItem,
+    borrow_prefix,
     decode_steps,
     make_worker_batch,
     release,
@@ -91,6 +94,7 @@ __all__ = [
     "ServingState",
     "StepOutput",
     "WorkItem",
+    "borrow_prefix",
     "decode_steps",
     "make_worker_batch",
     "release",
@@ -110,6 +114,7 @@ __all__ = [
     "RecurrentStatePool",
     "ReqToTokenPool",
     "SlotAllocator",
+    "SnapshotSpec",
     "attn_backend_wrapper",
     "check_forward_batch",
     "kda_chunked",

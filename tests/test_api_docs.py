@@ -23,6 +23,7 @@ HYBRIDATTN_API = [
     "hybridattn.serving",
     "hybridattn.engine",
     "hybridattn.scheduler",
+    "hybridattn.prefix_cache",
     "hybridattn.models.kimi_linear",
     "hybridattn.testing",
 ]
