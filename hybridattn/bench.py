@@ -360,9 +360,12 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
 
     B, P = prompts.shape
     ctx = -(-(P + new_tokens) // 64) * 64
+    # No prefix cache: the timed repeats serve the same prompts, which would all be hits
+    # (``bench prefix`` measures the cache).
     engine = Engine(config, params, max_running_requests=B, max_context_len=ctx,
                     num_token_slots=B * ctx + 1, chunked_prefill_size=B * P,
-                    request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,))
+                    request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,),
+                    prefix_cache=False)
     t0 = time.perf_counter()
     tokens = engine.generate(prompts.tolist(), new_tokens)  # compiles
     first_run_s = time.perf_counter() - t0
