@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -139,7 +140,9 @@ def _deferred_interrupts():
     finally:
         signal.signal(signal.SIGINT, old)
         if caught and callable(old):
-            old(signal.SIGINT, caught[0])  # the default handler raises KeyboardInterrupt
+            old(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt
+        elif caught and old == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)  # the default action, now that it is back
 
 
 @dataclasses.dataclass

@@ -299,9 +299,19 @@ def test_two_threads_generating_on_one_engine_are_serialized_and_exact():
     assert_idle_and_whole(eng)
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test (an earlier test in this worker, a notebook
+    kernel say, may have left another): what a user's process has."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
-def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypatch):
+def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypatch,
+                                                                        python_sigint):
     eng = engine()
     real, fired = E._step, []
 
