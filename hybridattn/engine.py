@@ -327,7 +327,8 @@ class Engine:
             ``chunk_size`` (default: the multiple of it nearest 256, at least one chunk).
         num_snapshot_slots: snapshot slots (the sink included); default: one per grid
             interval of the token pool and four per request row, within a quarter of the
-            memory budget.
+            memory budget left after the parameters and working states (the token pool's
+            default gets the rest).
 
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
@@ -442,10 +443,18 @@ class Engine:
         unit = MemoryReport.for_config(config, num_token_slots=2, max_running_requests=
                                        max_running_requests, max_context_len=max_context_len,
                                        dtype=dtype, param_bytes=param_bytes)
+        # The budget, after the parameters and the working states, is split: a quarter to the
+        # prefix cache's snapshots (unless their number is given), the rest to token slots.
+        snap_bytes = unit.state_bytes_per_request
+        left = budget - param_bytes - (max_running_requests + 1) * snap_bytes
+        if not prefix_cache:
+            snap_share = 0
+        elif num_snapshot_slots is None:
+            snap_share = max(left, 0) // 4
+        else:
+            snap_share = num_snapshot_slots * snap_bytes
         if num_token_slots is None:
-            left = (budget - param_bytes
-                    - (max_running_requests + 1) * unit.state_bytes_per_request)
-            fit = left // max(unit.mla_bytes_per_token, 1)
+            fit = (left - snap_share) // max(unit.mla_bytes_per_token, 1)
             num_token_slots = int(min(fit, max_running_requests * max_context_len)) + 1
             if num_token_slots < max_context_len + 1:
                 raise ValueError(
@@ -454,20 +463,18 @@ class Engine:
                     f"max_context_len={max_context_len}: lower max_context_len or raise "
                     "mem_fraction"
                 )
-        snap_bytes = unit.state_bytes_per_request
         if not prefix_cache:
             num_snapshot_slots = 0
         elif num_snapshot_slots is None:
             # a grid snapshot for every interval the token pool can cache, and a few more per
             # request (the branch point, the last-but-one prompt token, the end)
             want = num_token_slots // snapshot_interval + 4 * max_running_requests
-            fit = int(0.25 * budget) // max(snap_bytes, 1)
-            num_snapshot_slots = min(want, fit) + 1
+            num_snapshot_slots = min(want, snap_share // max(snap_bytes, 1)) + 1
             if num_snapshot_slots < 2:
                 raise ValueError(
-                    f"a quarter of the memory budget ({budget} bytes) holds no KDA snapshot of "
-                    f"{snap_bytes} bytes: raise mem_fraction, give num_snapshot_slots, or pass "
-                    "prefix_cache=False")
+                    f"a quarter of the memory budget left ({snap_share} bytes) holds no KDA "
+                    f"snapshot of {snap_bytes} bytes: raise mem_fraction, give "
+                    "num_snapshot_slots, or pass prefix_cache=False")
         elif num_snapshot_slots < 2:
             raise ValueError(f"num_snapshot_slots={num_snapshot_slots} holds no snapshot (slot 0 "
                              "is the sink): give at least 2, or pass prefix_cache=False")

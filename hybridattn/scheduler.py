@@ -358,11 +358,11 @@ class Scheduler:
         P, S = len(kv.slots), st.depth
         need = L - P + req.max_new_tokens - 1
         short = tree.total_size + self.reserved + need - self.capacity
+        if short > tree.evictable_size:  # even an empty cache would not make room: wait for
+            tree.unlock(kv.node)          # running requests, and keep the cache as it is
+            return None
         if short > 0:
             self._evicted(tree.evict(short))
-        if tree.total_size + self.reserved + need > self.capacity:
-            tree.unlock(kv.node)
-            return None  # wait for running requests to finish
         points = snapshot_points(L, P, S, self.snapshot_interval)
         # The end of the request, one before the end of the prompt and the branch point may
         # evict older states for their slots (they serve the next turn, a repeat, a sibling);
@@ -379,8 +379,8 @@ class Scheduler:
         return Admission(req, tuple(kv.slots), S)
 
     def _defer(self, req: Request) -> bool:
-        """Wait while a prompt still prefilling (not in the tree yet) shares enough of this
-        prompt for its snapshots to reach a grid point past what the tree gives now."""
+        """Wait while a prompt still prefilling (not in the tree yet) will put a snapshot on
+        the part it shares with this prompt, deeper than what the tree gives now."""
         have = self.tree.match_prefix(req.prompt[:-1]).state_node.depth
         for r in self.running:
             if r.inserted:
@@ -388,7 +388,7 @@ class Scheduler:
             n, limit = 0, min(len(req.prompt) - 1, len(r.prompt) - 1)
             while n < limit and req.prompt[n] == r.prompt[n]:
                 n += 1
-            if n // self.snapshot_interval * self.snapshot_interval > have:
+            if any(have < d <= n for d in (*r.planned, *r.taken)):
                 return True
         return False
 

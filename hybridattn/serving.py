@@ -815,7 +815,8 @@ def borrow_prefix(
 ) -> ServingState:
     """Point the first ``lens[b]`` positions of row ``req_pool_indices[b]`` at a prefix
     cache's token slots ``slots[b, :lens[b]]`` (``lens <= W``): the row borrows them from now
-    on (its ``borrowed`` length becomes ``lens[b]``; ``release`` never frees them), and the
+    on (its ``borrowed`` length becomes at least ``lens[b]``, never less than it was;
+    ``release`` never frees them), and the
     row's own slots there that the cache replaces are freed. ``computed[b]``, when given, is
     how many tokens of the request the pools now hold (its state depth: a request admitted on
     a cache hit restores a snapshot of that depth). Row 0 and rows not in use are ignored.
@@ -850,8 +851,9 @@ def borrow_prefix(
     dest = jnp.where(valid, req_pool_indices, num_rows)
     table = pool.req_to_token.at[dest[:, None], p].set(
         jnp.where(inside, slots, cur).astype(jnp.int32), mode="drop")
-    new_pool = pool.replace(req_to_token=table,
-                            borrowed=pool.borrowed.at[dest].set(lens, mode="drop"))
+    # a row never borrows less than it did: what it borrowed stays the cache's to free
+    new_pool = pool.replace(req_to_token=table, borrowed=pool.borrowed.at[dest].max(
+        lens.astype(jnp.int32), mode="drop"))
     if computed is not None:
         new_pool = new_pool.replace(req_lens=new_pool.req_lens.at[dest].set(computed,
                                                                           mode="drop"))

@@ -325,3 +325,16 @@ def test_soak_500_requests_with_sessions_tight_pools_and_both_evictions():
     for rid, (prompt, n, kind) in jobs.items():
         assert done[rid] == alone.generate([prompt], n, **kinds[kind])[0], f"request {rid}"
     assert_whole(eng)
+
+
+def test_automatic_sizing_keeps_tokens_and_snapshots_within_the_budget(monkeypatch):
+    import hybridattn.engine as E
+
+    monkeypatch.setattr(E, "available_memory_bytes", lambda: 3 << 20)  # 1.5 MiB budget
+    for cache in (False, True):
+        eng = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=96, prefix_cache=cache)
+        m = eng.memory
+        assert m.pool_bytes + m.param_bytes <= 1.05 * m.budget_bytes  # the tables are extra
+        if cache:
+            assert m.num_snapshot_slots > 1
+            assert (m.num_snapshot_slots - 1) * m.snapshot_bytes <= m.budget_bytes / 4
