@@ -29,10 +29,10 @@ chunks up to ``chunked_prefill_size`` tokens (an ``EXTEND`` step); otherwise it 
 With ``prefix_cache`` (see ``hybridattn.prefix_cache``), admission matches the prompt in the
 radix tree, locks the path, lets the row borrow the cached KV and restores the deepest
 snapshot at most one token short of the prompt; the prefill then recomputes only the rest,
-snapshotting on the way. A request whose prompt shares a grid interval or more of uncached
-tokens with a prompt still prefilling waits for it (its snapshots are not there yet). When a
-prompt has been prefilled, it is inserted with its snapshots (the row then borrows all of it),
-and when the request finishes, prompt and answer go in, ending at a snapshot of the end.
+snapshotting on the way. After each chunk that took snapshots (and when the whole prompt has
+run) the prompt so far goes into the tree with them, and the row borrows it from then on; a
+request that would restore a snapshot another prompt has planned but not taken yet waits for
+it. When the request finishes, prompt and answer go in, ending at a snapshot of the end.
 
 >>> sched = Scheduler(capacity=64, max_running_requests=2, chunked_prefill_size=4,
 ...                   request_buckets=(2,), token_buckets=(8,), kv_buckets=(16,))
@@ -379,16 +379,17 @@ class Scheduler:
         return Admission(req, tuple(kv.slots), S)
 
     def _defer(self, req: Request) -> bool:
-        """Wait while a prompt still prefilling (not in the tree yet) will put a snapshot on
-        the part it shares with this prompt, deeper than what the tree gives now."""
+        """Wait while a prompt still prefilling will put a snapshot (planned, not taken yet)
+        on the part it shares with this prompt, deeper than what the tree gives now; taken
+        snapshots go into the tree after each chunk."""
         have = self.tree.match_prefix(req.prompt[:-1]).state_node.depth
         for r in self.running:
-            if r.inserted:
+            if not r.planned:
                 continue
             n, limit = 0, min(len(req.prompt) - 1, len(r.prompt) - 1)
             while n < limit and req.prompt[n] == r.prompt[n]:
                 n += 1
-            if any(have < d <= n for d in (*r.planned, *r.taken)):
+            if any(have < d <= n for d in r.planned):
                 return True
         return False
 
@@ -494,7 +495,7 @@ class Scheduler:
             if plan.snapshots:
                 for d, s in plan.snapshots[i]:
                     r.taken[d] = r.planned.pop(d, s)
-            if was_prefilling and not r.prefilling and self.tree is not None:
+            if was_prefilling and self.tree is not None and (r.taken or not r.prefilling):
                 self._insert_prompt(r, read_slots)
             if r.prefilling or r.finished:
                 continue
@@ -514,14 +515,18 @@ class Scheduler:
         return events, done
 
     def _insert_prompt(self, r: Request, read_slots) -> None:
-        """The prompt has been prefilled: it goes into the tree with its snapshots, and the row
-        borrows all of it from then on (a device op frees the row's duplicates)."""
-        tree, L = self.tree, len(r.prompt)
-        tree.insert(r.prompt, list(read_slots(r, L)))
-        m = tree.match_prefix(r.prompt)
+        """The prompt tokens computed so far go into the tree with the snapshots taken on
+        them (after a chunk that took snapshots, so requests waiting for them can start, and
+        once the whole prompt is in), and the row borrows them from then on (a device op
+        frees the row's duplicates)."""
+        tree, n = self.tree, r.computed
+        tokens = r.prompt[:n]
+        tree.insert(tokens, list(read_slots(r, n)))
+        m = tree.match_prefix(tokens)
         tree.lock(m.node)
         tree.unlock(r.node)
-        r.node, r.inserted, r.prompt_slots = m.node, True, list(m.slots)
+        r.node, r.prompt_slots = m.node, list(m.slots)
+        r.inserted = not r.prefilling
         for d, s in sorted(r.taken.items()):
             if tree.add_state(r.prompt[:d], s):
                 self.snapshots_taken += 1
@@ -529,9 +534,9 @@ class Scheduler:
                 self.snapshot_slots.give([s])
         r.taken = {}
         self.device_ops.append(Borrow(r, tuple(r.prompt_slots)))
-        self.reserved -= L - r.borrowed
-        r.owned -= L - r.borrowed
-        r.borrowed = L
+        self.reserved -= n - r.borrowed
+        r.owned -= n - r.borrowed
+        r.borrowed = n
 
     def _insert_answer(self, r: Request, read_slots) -> None:
         """A finished request: prompt and the answer tokens that ran go into the tree, the row
