@@ -630,24 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--quick", action="store_true", help="one timed round")
     args = p.parse_args(argv)
     if args.what == "prefix":
-        res = bench_prefix(quick=args.quick)
-        if args.json:
-            json.dump(res, sys.stdout, indent=2)
-            print()
-        else:
-            _print_prefix(res)
-        return 0
+        return _emit(bench_prefix(quick=args.quick), args.json, _print_prefix)
     if args.what == "serve":
-        res = bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
-                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                          repeats=1 if args.quick else 2,
-                          transformers=not args.no_transformers)
-        if args.json:
-            json.dump(res, sys.stdout, indent=2)
-            print()
-        else:
-            _print_serve(res)
-        return 0
+        return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
+                                 prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                 repeats=1 if args.quick else 2,
+                                 transformers=not args.no_transformers), args.json, _print_serve)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices
         if devices > 1:
@@ -657,13 +645,19 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("--devices splits heads over CPU devices: run with "
                                      "JAX_PLATFORMS=cpu")
                 devices = 1
-        res = bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
-                        chunk_sizes=tuple(args.chunk_sizes), devices=devices)
-        if args.json:
-            json.dump(res, sys.stdout, indent=2)
-            print()
-        else:
-            _print_kda(res)
+        return _emit(bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
+                               chunk_sizes=tuple(args.chunk_sizes), devices=devices),
+                     args.json, _print_kda)
+    return 0
+
+
+def _emit(res: dict, as_json: bool, table: Callable[[dict], None]) -> int:
+    """Print a bench result as JSON or as its table."""
+    if as_json:
+        json.dump(res, sys.stdout, indent=2)
+        print()
+    else:
+        table(res)
     return 0
 
 

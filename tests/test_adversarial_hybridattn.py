@@ -19,9 +19,8 @@ import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from harness import CFG, ENGINE, PARAMS, STEP, engine, prefilled, prompts_of
+from harness import CFG, ENGINE, PARAMS, STEP, decode_batch, engine, prefilled, prompts_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -380,19 +379,6 @@ DEFECTS = ["negative_row", "row_past_pool", "free_row", "repeated_row", "padding
            "stale_seq_lens", "token_out_of_vocab", "negative_token", "ok"]
 
 
-def _decode(rows, lens, toks):
-    B = 4
-    ids, req, seq, ext = (np.zeros(B, np.int32) for _ in range(4))
-    for b, (r, n, t) in enumerate(zip(rows, lens, toks, strict=True)):
-        ids[b], req[b], seq[b], ext[b] = t, r, n + 1, 1
-    return S.ModelWorkerBatch(
-        input_ids=jnp.asarray(ids), req_pool_indices=jnp.asarray(req),
-        seq_lens=jnp.asarray(seq), extend_seq_lens=jnp.asarray(ext),
-        temperatures=jnp.zeros(B), top_ks=jnp.zeros(B, jnp.int32), top_ps=jnp.ones(B),
-        seeds=jnp.zeros(B, jnp.int32), kv_width=96, max_extend_len=1,
-        forward_mode=ForwardMode.DECODE)
-
-
 @functools.cache
 def _base():
     return prefilled(2)
@@ -426,7 +412,8 @@ def _corrupt(defect, rows, lens, toks, pick):
 @given(st.sampled_from(DEFECTS), st.integers(0, 1))
 def test_hand_built_batches_that_do_not_fit_fail_and_write_only_the_sinks(defect, pick):
     state, rows, lens, toks = _base()
-    batch = _decode(*_corrupt(defect, rows, lens, toks, pick))
+    rows_, lens_, toks_ = _corrupt(defect, rows, lens, toks, pick)
+    batch = decode_batch(rows_, lens_, toks_, order=range(len(rows_)))
     ref = testing.RefServingPools.from_state(state)
     new, out = STEP(PARAMS, state, batch)
     ref.step(batch, new, out.ok)  # ok exactly as the reference says; only sinks otherwise
