@@ -487,7 +487,10 @@ class Scheduler:
         prompt chunk's sample is discarded) and ``done`` the requests that finished (their
         release is queued in ``device_ops``). With a prefix cache, ``read_slots(req, n)``
         gives the token slots of the first ``n`` positions of ``req``'s row (the engine
-        reads them off the device) for what goes into the tree."""
+        reads them off the device) for what goes into the tree; every read happens before
+        anything is recorded, so a read that fails leaves the scheduler as it was."""
+        if self.tree is not None:
+            read_slots = self._read_ahead(plan, tokens, read_slots)
         events, done = [], []
         for i, ((r, toks), tok) in enumerate(zip(plan.work, tokens, strict=False)):
             was_prefilling = r.prefilling
@@ -513,6 +516,21 @@ class Scheduler:
                 self._insert_answer(r, read_slots)
         self._retire(done)
         return events, done
+
+    def _read_ahead(self, plan: StepPlan, tokens: Sequence[int], read_slots):
+        """The row slots ``commit`` will need (requests whose prompt goes into the tree now,
+        and requests that finish), read up front; returns a reader of that copy."""
+        rows = {}
+        for i, ((r, toks), tok) in enumerate(zip(plan.work, tokens, strict=False)):
+            after = r.computed + len(toks)
+            took = bool(plan.snapshots and plan.snapshots[i])
+            inserts = r.prefilling and (took or after >= len(r.prompt))
+            samples = after >= len(r.prompt) and not r.finished
+            finishes = samples and (int(tok) in r.stop_token_ids
+                                    or len(r.output) + 1 >= r.max_new_tokens)
+            if inserts or finishes:
+                rows[r.rid] = list(read_slots(r, after))
+        return lambda r, n: rows[r.rid][:n]
 
     def _insert_prompt(self, r: Request, read_slots) -> None:
         """The prompt tokens computed so far go into the tree with the snapshots taken on
