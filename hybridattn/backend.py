@@ -85,15 +85,20 @@ class ForwardMode(enum.IntEnum):
     DECODE = 2
 
 
-@pytree_dataclass()
+@pytree_dataclass(static=("windowed",))
 class SnapshotSpec:
     """Recurrent-state snapshots an extend forward takes: entry ``m`` copies the KDA states of
     batch request ``batch_index[m]`` after its first ``lens[m]`` tokens (a depth inside this
     forward's extend: ``prefix < lens[m] <= seq_lens``) into slot ``slots[m]`` of the
     snapshot pool, every KDA layer. Unused entries have slot 0 (the snapshot pool's sink).
 
-    >>> spec = SnapshotSpec(batch_index=jnp.array([0, 0, 1, 0]), lens=jnp.array([32, 40, 7, 0]),
-    ...                     slots=jnp.array([3, 4, 5, 0]))  # the last entry is unused
+    A depth on the KDA chunk grid of its request's extend (``lens - prefix`` a multiple of the
+    chunk) or at its end is a state the kernel computes anyway; one in between costs one more
+    chunk of work. The first ``windowed`` entries (static; default all) may lie in between,
+    the rest must not (their states are read off the kernel as they are).
+
+    >>> spec = SnapshotSpec(batch_index=jnp.array([0, 0, 1, 0]), lens=jnp.array([40, 32, 7, 0]),
+    ...                     slots=jnp.array([3, 4, 5, 0]), windowed=1)  # 40 is off the grid
     >>> spec.num_snapshots
     4
     """
@@ -101,6 +106,7 @@ class SnapshotSpec:
     batch_index: Int[Array, " M"]
     lens: Int[Array, " M"]
     slots: Int[Array, " M"]
+    windowed: int | None = None
 
     @property
     def num_snapshots(self) -> int:
@@ -278,7 +284,7 @@ class FullAttnMetadata:
     max_extend_len: int = 1
 
 
-@pytree_dataclass()
+@pytree_dataclass(static=("snapshot_windowed",))
 class LinearAttnMetadata:
     """KDA metadata: packed sequence offsets, recurrent-state slots, has-initial-state flags.
 
@@ -303,6 +309,7 @@ class LinearAttnMetadata:
     snapshot_seqs: Int[Array, " M"] | None = None  # batch request of each snapshot
     snapshot_offsets: Int[Array, " M"] | None = None  # its depth within this extend (1..ext)
     snapshot_slots: Int[Array, " M"] | None = None  # where it goes in the snapshot pool
+    snapshot_windowed: int = 0  # the first entries that may lie between chunk boundaries
 
 
 @pytree_dataclass()
@@ -611,6 +618,8 @@ class KDAAttnBackend:
             b = spec.batch_index.astype(jnp.int32)
             used = spec.slots > 0
             snaps = dict(
+                snapshot_windowed=(spec.num_snapshots if spec.windowed is None
+                                   else min(spec.windowed, spec.num_snapshots)),
                 snapshot_seqs=jnp.where(used, b, 0),
                 snapshot_offsets=jnp.where(used, spec.lens - batch.prefix_lens[b], 0).astype(
                     jnp.int32),
@@ -723,18 +732,22 @@ class KDAAttnBackend:
         match = (cs.seq_ids[0][None, :] == b[:, None]) & (cs.num_tokens[0][None, :] == c[:, None])
         at_c = jnp.where((match.any(1) & (c > 0))[:, None, None, None],
                          cs.states[0][jnp.argmax(match, axis=1)], ssm0[b])
-        i = jnp.arange(C, dtype=jnp.int32)
-        valid = i[None, :] < (off - c)[:, None]  # [M, C]: the tokens after the boundary
-        tok = jnp.clip(start[:, None] + c[:, None] + i[None, :], 0, T - 1)
+        Mw = md.snapshot_windowed  # only these entries may lie between chunk boundaries
+        if Mw:
+            i = jnp.arange(C, dtype=jnp.int32)
+            rest = (off - c)[:Mw]
+            valid = i[None, :] < rest[:, None]  # [Mw, C]: the tokens after the boundary
+            tok = jnp.clip(start[:Mw, None] + c[:Mw, None] + i[None, :], 0, T - 1)
 
-        def window(x):  # [T, ...] -> [M, C, ...], neutral (zero) where not valid
-            w = x[tok]
-            return jnp.where(valid.reshape(valid.shape + (1,) * (w.ndim - 2)), w, 0)
+            def window(x):  # [T, ...] -> [Mw, C, ...], neutral (zero) where not valid
+                w = x[tok]
+                return jnp.where(valid.reshape(valid.shape + (1,) * (w.ndim - 2)), w, 0)
 
-        qw, kw, vw, gw, bw = (window(x.astype(jnp.float32)) for x in inputs)
-        _, cont = kda_chunked(qw, kw, vw, gw, bw, initial_state=at_c, chunk_size=C)
-        ssm = jnp.where((off == c)[:, None, None, None], at_c, cont)
-        ssm = jnp.where((off == ext)[:, None, None, None], ssm1[b], ssm)
+            qw, kw, vw, gw, bw = (window(x.astype(jnp.float32)) for x in inputs)
+            _, cont = kda_chunked(qw, kw, vw, gw, bw, initial_state=at_c[:Mw], chunk_size=C)
+            at_c = at_c.at[:Mw].set(jnp.where((rest == 0)[:, None, None, None], at_c[:Mw],
+                                              cont))
+        ssm = jnp.where((off == ext)[:, None, None, None], ssm1[b], at_c)
         pos = off[:, None] - (K - 1) + jnp.arange(K - 1, dtype=jnp.int32)[None, :]  # [M, K-1]
         from_x = mixed[jnp.clip(start[:, None] + pos, 0, T - 1)]
         from_state = conv0[b[:, None], jnp.clip(K - 1 + pos, 0, K - 2)]

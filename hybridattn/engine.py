@@ -527,7 +527,7 @@ class Engine:
             chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
             token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
             num_snapshot_slots=num_snapshot_slots, snapshot_interval=snapshot_interval,
-            snapshot_buckets=self.snapshot_buckets)
+            snapshot_buckets=self.snapshot_buckets, chunk_size=chunk_size)
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it
@@ -715,6 +715,7 @@ class Engine:
             plan.items(), vocab_size=self.config.vocab_size,
             max_context_len=self.max_context_len, forward_mode=plan.mode, num_requests=B,
             num_tokens=T, kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots,
+            snapshot_chunk=self.scheduler.chunk_size,
         )
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,))

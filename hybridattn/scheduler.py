@@ -238,7 +238,7 @@ class StepPlan:
     buckets: tuple[int, int, int, int]
     restores: tuple[int, ...] = ()
     snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
-    num_snapshots: int | None = None
+    num_snapshots: int | tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -274,7 +274,12 @@ class Scheduler:
         kv_buckets: the shape buckets of ``W`` (the last must hold the longest context).
         num_snapshot_slots: snapshot slots (the sink included); 0: no prefix cache.
         snapshot_interval: the snapshot grid (a multiple of the KDA chunk).
-        snapshot_buckets: the shape buckets of ``M``, snapshot entries in a step.
+        snapshot_buckets: the shape buckets of ``M``, snapshot entries in a step (with
+            ``chunk_size``: of the entries between chunk boundaries and of those on the grid,
+            each).
+        chunk_size: the KDA chunk; given, a step's snapshots on the chunk grid (which cost no
+            extra work) are told apart from the others (``StepPlan.num_snapshots`` is then a
+            pair).
 
     >>> sched = Scheduler(capacity=8, max_running_requests=1, chunked_prefill_size=4,
     ...                   request_buckets=(1,), token_buckets=(4,), kv_buckets=(8,))
@@ -288,7 +293,8 @@ class Scheduler:
     def __init__(self, *, capacity: int, max_running_requests: int, chunked_prefill_size: int,
                  request_buckets: Sequence[int], token_buckets: Sequence[int],
                  kv_buckets: Sequence[int], num_snapshot_slots: int = 0,
-                 snapshot_interval: int = 256, snapshot_buckets: Sequence[int] = (0, 4, 16)):
+                 snapshot_interval: int = 256, snapshot_buckets: Sequence[int] = (0, 4, 16),
+                 chunk_size: int | None = None):
         self.capacity = capacity
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
@@ -307,6 +313,7 @@ class Scheduler:
             self.snapshot_slots = SnapshotSlots(num_snapshot_slots)
         self.snapshot_interval = snapshot_interval
         self.snapshot_buckets = tuple(snapshot_buckets)
+        self.chunk_size = chunk_size
         # counters the engine reports
         self.snapshots_taken = self.state_evictions = self.token_evictions = 0
 
@@ -476,7 +483,15 @@ class Scheduler:
         snaps = tuple(tuple(sorted((d, s) for d, s in r.planned.items()
                                    if r.computed < d <= r.computed + len(t)))
                       for r, t in work)
-        M = bucket(sum(map(len, snaps)), self.snapshot_buckets, "snapshots in a step")
+        if self.chunk_size is None:
+            M = bucket(sum(map(len, snaps)), self.snapshot_buckets, "snapshots in a step")
+        else:
+            C = self.chunk_size
+            aligned = sum((d - r.computed) % C == 0 or d == r.computed + len(t)
+                          for (r, t), ss in zip(work, snaps, strict=True) for d, _ in ss)
+            windowed = sum(map(len, snaps)) - aligned
+            M = tuple(bucket(n, self.snapshot_buckets, "snapshots in a step")
+                      for n in (windowed, aligned))
         return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps, M)
 
     def commit(self, plan: StepPlan, tokens: Sequence[int],

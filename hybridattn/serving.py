@@ -296,7 +296,8 @@ def make_worker_batch(
     kv_width: int | None = None,
     max_extend_len: int | None = None,
     state: ServingState | None = None,
-    num_snapshots: int | None = None,
+    num_snapshots: int | tuple[int, int] | None = None,
+    snapshot_chunk: int | None = None,
 ) -> ModelWorkerBatch:
     """Host side: pack ``items`` into a ``ModelWorkerBatch`` padded to ``num_requests``
     rows and ``num_tokens`` tokens (defaults: exactly what the items need; ``kv_width`` and
@@ -310,7 +311,10 @@ def make_worker_batch(
     against the pools (each row allocated, ``prefix_len`` equal to the row's recorded length),
     at the cost of reading two small arrays from the device. ``num_snapshots`` (``M``, a shape
     bucket) makes an ``EXTEND`` batch carry ``restore_from`` and ``M`` snapshot entries (the
-    items' ``snapshots``, padded); None: only when an item asks for them.
+    items' ``snapshots``, padded); None: only when an item asks for them. As a pair
+    ``(Mw, Ma)`` with ``snapshot_chunk`` (the KDA chunk), the entries between chunk
+    boundaries come first, padded to ``Mw``, and those on the chunk grid of their request's
+    extend (or at its end), which cost no extra work, after them, padded to ``Ma``.
 
     >>> batch = make_worker_batch([WorkItem(1, 0, [5, 6, 7]), WorkItem(2, 0, [8, 9])],
     ...                           vocab_size=64, max_context_len=16)
@@ -395,12 +399,25 @@ def make_worker_batch(
     if num_snapshots is not None:
         if forward_mode == ForwardMode.DECODE:
             raise ValueError("a DECODE batch restores and snapshots nothing")
-        M = check_int("num_snapshots", num_snapshots, len(snaps))
+        if isinstance(num_snapshots, tuple):  # (windowed, aligned), split by the chunk grid
+            chunk = check_int("snapshot_chunk", snapshot_chunk, 1)
+            on_grid = [(d - items[n].prefix_len) % chunk == 0
+                       or d == items[n].prefix_len + len(tokens[n]) for n, d, _ in snaps]
+            parts = [[e for e, g in zip(snaps, on_grid, strict=True) if g == want]
+                     for want in (False, True)]
+            sizes = [check_int(f"num_snapshots[{i}]", m, len(p))
+                     for i, (m, p) in enumerate(zip(num_snapshots, parts, strict=True))]
+            windowed = sizes[0]
+            snaps = parts[0] + [(0, 0, 0)] * (sizes[0] - len(parts[0])) + parts[1]
+            M = sum(sizes)
+        else:
+            M = check_int("num_snapshots", num_snapshots, len(snaps))
+            windowed = None
         cols = list(zip(*snaps, strict=True)) if snaps else [[], [], []]
         extras = dict(
             restore_from=pad([it.restore_from for it in items], B),
             snapshots=SnapshotSpec(batch_index=pad(cols[0], M), lens=pad(cols[1], M),
-                                   slots=pad(cols[2], M)))
+                                   slots=pad(cols[2], M), windowed=windowed))
     return ModelWorkerBatch(
         input_ids=pad(np.concatenate(tokens), T),
         req_pool_indices=pad([it.req_index for it in items], B),

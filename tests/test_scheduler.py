@@ -33,7 +33,8 @@ class SchedulerAgainstRefPools(RuleBasedStateMachine):
         self.sched = Scheduler(capacity=C, max_running_requests=R, chunked_prefill_size=P,
                                request_buckets=ladder(1, R), token_buckets=ladder(4, P + R),
                                kv_buckets=(8, L), num_snapshot_slots=9 if self.cache else 0,
-                               snapshot_interval=4, snapshot_buckets=(0, 4, 16))
+                               snapshot_interval=4, snapshot_buckets=(0, 4, 16),
+                               chunk_size=2 if self.cache else None)
         self.ref = RefServingPools(RefSlotAllocator(C + 1), RefReqToTokenPool(R, L),
                                    vocab_size=V)
         self.reqs: list[Request] = []
@@ -74,7 +75,8 @@ class SchedulerAgainstRefPools(RuleBasedStateMachine):
         B, T, W, Q = plan.buckets
         batch = make_worker_batch(plan.items(), vocab_size=V, max_context_len=L,
                                   forward_mode=plan.mode, num_requests=B, num_tokens=T,
-                                  kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots)
+                                  kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots,
+                                  snapshot_chunk=self.sched.chunk_size)
         assert self.ref.apply(batch), "the scheduler built a batch that step refuses"
         for r, toks in plan.work:
             self.fed[r.rid] += toks
