@@ -1,102 +1,10 @@
-"""The host half of the prefix cache for hybrid models: a radix tree whose nodes also hold KDA
-state snapshots, the snapshot slots, and where snapshots are taken (plain Python, no JAX).
+"""The host half of the prefix cache for hybrid models (see ``servecore.snapshots``, where it
+lives: ``mlxcache`` plans its snapshots with the same code).
 
-A cached prefix of a hybrid model is two things: the MLA latents of its tokens, valid at any
-depth (the row borrows their token slots), and every KDA layer's recurrent and conv state,
-valid only at the exact depth where it was taken. So the tree (``servecore.radix``,
-``states=True``) maps tokens to token slots and some nodes to snapshot slots, and a match is
-usable up to the deepest snapshot on it: a request restores that snapshot into its working
-state slot (copy-on-write, inside the step) and recomputes the tokens after it; their latents
-already sit in the borrowed slots, so those tokens write only to the sink.
-
-Snapshot points, planned at admission (``snapshot_points``), each exact float32 state of the
-kernel:
-
-* a grid of ``interval`` tokens (a multiple of the KDA chunk, so a grid point is a chunk
-  boundary of every prefill that starts on the grid, as cold prompts and grid hits do);
-* the *branch point*: where the prompt leaves a cached path off the grid, so the next prompt
-  that shares those tokens finds a state exactly there;
-* one token before the end of the prompt, so an exact repeat recomputes only its last token
-  (whose logits it needs);
-* the end of the request (all tokens that ran), taken when it finishes, so the next turn of a
-  conversation reuses prompt and answer.
-
-Snapshot slots come from a host free list (``SnapshotSlots``); the tree owns the handles it
-holds and hands them back when it evicts states. Snapshots are best effort: when no slot is
-free even after evicting unlocked states, a point is skipped (the cache is only less useful).
-
->>> points = snapshot_points(prompt_len=300, kv_len=140, state_len=128, interval=64)
->>> points  # grid 192 and 256, the branch point 140, and one before the end (299)
+>>> snapshot_points(prompt_len=300, kv_len=140, state_len=128, interval=64)
 [140, 192, 256, 299]
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
+from servecore.snapshots import SnapshotSlots, snapshot_points
 
 __all__ = ["SnapshotSlots", "snapshot_points"]
-
-
-def snapshot_points(prompt_len: int, kv_len: int, state_len: int, interval: int) -> list[int]:
-    """Depths at which a prompt of ``prompt_len`` tokens takes snapshots during its prefill,
-    given its cache hit: ``kv_len`` tokens of KV matched, a state restored at ``state_len``
-    (0: none). Grid points ``interval, 2 interval, ...`` past the restored state and before
-    the prompt's last token; the branch point ``kv_len`` when it is off the grid and past
-    the restored state; and ``prompt_len - 1`` (ascending, each once).
-
-    >>> snapshot_points(prompt_len=10, kv_len=0, state_len=0, interval=4)
-    [4, 8, 9]
-    >>> snapshot_points(prompt_len=10, kv_len=10, state_len=9, interval=4)  # an exact repeat
-    []
-    """
-    last = prompt_len - 1
-    points = set(range((state_len // interval + 1) * interval, last, interval))
-    if state_len < kv_len < last and kv_len % interval:
-        points.add(kv_len)
-    if last > state_len:
-        points.add(last)
-    return sorted(points)
-
-
-class SnapshotSlots:
-    """A free list of snapshot slots ``1 .. num_slots - 1`` (slot 0 is the snapshot pool's
-    sink), on the host: the prefix cache decides what is snapshotted, the device only copies.
-
-    >>> slots = SnapshotSlots(4)
-    >>> slots.take(2), slots.num_free
-    ([1, 2], 1)
-    >>> slots.give([2]); slots.take(5)  # fewer than asked when fewer are free
-    [2, 3]
-    """
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, 0, -1))  # the top of the stack is slot 1
-        self._is_free = set(self._free)
-
-    @property
-    def num_free(self) -> int:
-        """Slots that ``take`` can hand out."""
-        return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        """Slots that can be handed out at all (the sink excluded)."""
-        return self.num_slots - 1
-
-    def take(self, n: int) -> list[int]:
-        """Up to ``n`` free slots (all of them when fewer are free)."""
-        n = min(n, len(self._free))
-        out = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        self._is_free.difference_update(out)
-        return out
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots``; a slot that is free already, or out of range, is an error (a
-        bookkeeping bug: it would be handed out twice)."""
-        for s in slots:
-            if not 0 < s < self.num_slots or s in self._is_free:
-                raise ValueError(f"snapshot slot {s} is not in use")
-            self._free.append(s)
-            self._is_free.add(s)

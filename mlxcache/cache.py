@@ -69,13 +69,14 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import ArraysCache
 
 from mlxcache.pool import KVPool, get_kv, host_slots
 
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float
 
-__all__ = ["RaggedKVCache"]
+__all__ = ["RaggedArraysCache", "RaggedKVCache"]
 
 
 def _scatter_tokens(buf: mx.array, pos: mx.array, new: mx.array) -> mx.array:
@@ -128,14 +129,16 @@ class RaggedKVCache:
 
     step = 256
 
-    def __init__(self, num_rows: int = 0):
+    def __init__(self, num_rows: int = 0, window: int | None = None):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.lengths: list[int] = [0] * num_rows
+        self.window = window
 
     @classmethod
     def from_pool(
-        cls, pool: KVPool, layer: int, prefixes: Sequence[Sequence[int]]
+        cls, pool: KVPool, layer: int, prefixes: Sequence[Sequence[int]],
+        window: int | None = None,
     ) -> RaggedKVCache:
         """Row ``i`` holds ``layer``'s K/V at slots ``prefixes[i]`` of ``pool`` (lazy gather).
 
@@ -157,7 +160,7 @@ class RaggedKVCache:
         if isinstance(prefixes, str | bytes) or not isinstance(prefixes, Sequence):
             raise ValueError(f"prefixes must be a list of slot lists, got {prefixes!r:.60}")
         rows = [host_slots(f"prefixes[{i}]", p, pool.num_slots) for i, p in enumerate(prefixes)]
-        cache = cls(len(rows))
+        cache = cls(len(rows), window)
         widest = max(map(len, rows), default=0)
         if widest == 0:
             return cache
@@ -165,9 +168,9 @@ class RaggedKVCache:
         for i, r in enumerate(rows):
             table[i, : len(r)] = r
         k, v = get_kv(pool, layer, mx.array(table.reshape(-1)))
-        b, h, d = len(prefixes), pool.n_kv_heads, pool.head_dim
-        k = k.reshape(b, widest, h, d).swapaxes(1, 2)
-        v = v.reshape(b, widest, h, d).swapaxes(1, 2)
+        b, h = len(prefixes), pool.n_kv_heads
+        k = k.reshape(b, widest, h, pool.head_dim).swapaxes(1, 2)
+        v = v.reshape(b, widest, h, pool.v_head_dim).swapaxes(1, 2)
         cache._grow(b, widest, k, v)
         cache.keys[:b, :, :widest] = k
         cache.values[:b, :, :widest] = v
@@ -298,11 +301,16 @@ class RaggedKVCache:
         """Mask for ``N`` new tokens per row: as ``KVCache`` gives when the rows agree, else a
         bool ``(B, 1, N, max_len + N)`` where query ``j`` of row ``i`` sees ``t <= len_i + j``.
 
+        With a window (``window_size``, else the cache's own ``window``), a query at position
+        ``q`` also sees only ``t > q - window``: what mlx-lm's ``RotatingKVCache`` of that
+        window keeps (this cache keeps every row's whole history; the mask bounds what is
+        read).
+
         Args:
             N: new tokens per row in the coming forward.
             return_array: with equal rows, an additive causal mask array instead of
                 ``"causal"`` (as mlx-lm's ``KVCache``).
-            window_size: not supported (ValueError unless None).
+            window_size: the attention window of the layers this mask is for.
 
         Examples:
             >>> c = RaggedKVCache()
@@ -310,19 +318,22 @@ class RaggedKVCache:
             ...     _ = c.add_row(mx.zeros((1, 1, t, 2)), mx.zeros((1, 1, t, 2)))
             >>> c.make_mask(1).tolist()       # row 0 holds 1 token: it sees slots 0 and 1
             [[[[True, True, False]]], [[[True, True, True]]]]
+            >>> c.make_mask(1, window_size=2).tolist()   # and row 1 no longer sees slot 0
+            [[[[True, True, False]]], [[[False, True, True]]]]
         """
-        if window_size is not None:
-            raise ValueError(
-                f"window_size={window_size}: sliding-window attention is not supported by "
-                "RaggedKVCache (the engine serves such models with mlx-lm's own caches)"
-            )
+        window = window_size or self.window
         if self._uniform():
-            if N == 1:
-                return None
-            return create_causal_mask(N, self.offset) if return_array else "causal"
+            offset = self.offset
+            if window is None or offset + N <= window:
+                if N == 1:
+                    return None
+                return create_causal_mask(N, offset) if return_array else "causal"
+            return create_causal_mask(N, offset, window_size=window)
         lengths = mx.array(self.lengths, dtype=mx.int32)[:, None, None, None]
         q_pos = lengths + mx.arange(N)[None, None, :, None]
-        return mx.arange(max(self.lengths) + N)[None, None, None, :] <= q_pos
+        t = mx.arange(max(self.lengths) + N)[None, None, None, :]
+        mask = t <= q_pos
+        return mask if window is None else mask & (t > q_pos - window)
 
     def update_and_fetch(
         self,
@@ -395,3 +406,110 @@ class RaggedKVCache:
     def nbytes(self) -> int:
         """Bytes of the buffers (their capacity, not just the live tokens)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RaggedArraysCache(ArraysCache):
+    """mlx-lm's ``ArraysCache`` (the conv and recurrent state of a linear-attention or SSM
+    layer, one row per request) with the row operations the engine needs.
+
+    mlx-lm's hybrid models already batch these: every state array is ``(B, ...)``, and
+    ``prepare(lengths=...)`` tells a right-padded prefill how many of each row's tokens are
+    real, so padding never reaches a row's state. This class adds building rows from
+    snapshots, reading one row out (a snapshot), and joining and leaving a running batch, like
+    ``RaggedKVCache``. It is an ``ArraysCache``, so models that check for one accept it.
+
+    Args:
+        size: state arrays per layer (as the model's own ``ArraysCache(size)``).
+        like: ``(shape, dtype)`` of each state array of one row, None for an array the model
+            never sets; used to give a fresh row zeros when other rows hold a state.
+
+    Examples:
+        >>> import mlx.core as mx
+        >>> c = RaggedArraysCache(2, like=[((3,), mx.float32), ((2, 2), mx.float32)])
+        >>> c.add_row([mx.ones((1, 3)), mx.ones((1, 2, 2))]), c.add_row(None)  # a fresh row
+        (0, 1)
+        >>> c.batch_size, c[0].tolist()
+        (2, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+        >>> c.remove_row(0)
+        >>> c.batch_size, c.row(0)[0].tolist()
+        (1, [[0.0, 0.0, 0.0]])
+    """
+
+    def __init__(self, size: int, like: Sequence[tuple[tuple[int, ...], mx.Dtype] | None]):
+        super().__init__(size)
+        if len(like) != size:
+            raise ValueError(f"like has {len(like)} entries for {size} state arrays")
+        self.like = list(like)
+        self.rows = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Live rows ``B``."""
+        return self.rows
+
+    @classmethod
+    def from_rows(
+        cls, size: int, like: Sequence[tuple[tuple[int, ...], mx.Dtype] | None],
+        rows: Sequence[Sequence[mx.array | None] | None],
+    ) -> RaggedArraysCache:
+        """A batch whose row ``i`` starts from the state ``rows[i]`` (one ``(1, ...)`` array per
+        state array, e.g. a snapshot), or from nothing (None). All rows fresh: the arrays stay
+        None, so the model initializes them itself, exactly as with its own cache.
+
+        Examples:
+            >>> c = RaggedArraysCache.from_rows(1, [((2,), mx.float32)], [None, None])
+            >>> c.batch_size, c[0] is None
+            (2, True)
+        """
+        cache = cls(size, like)
+        if all(r is None for r in rows):
+            cache.rows = len(rows)
+            return cache
+        for r in rows:
+            cache.add_row(r)
+        return cache
+
+    def _fresh(self, j: int) -> mx.array | None:
+        like = self.like[j]
+        return None if like is None else mx.zeros((1, *like[0]), like[1])
+
+    def add_row(self, state: Sequence[mx.array | None] | None) -> int:
+        """Append a request whose state arrays are ``state`` (each ``(1, ...)``; None: zeros,
+        a fresh request); its row."""
+        state = [None] * len(self.cache) if state is None else list(state)
+        if len(state) != len(self.cache):
+            raise ValueError(f"add_row takes {len(self.cache)} state arrays, got {len(state)}")
+        for j, x in enumerate(state):
+            have = self.cache[j]
+            if x is None and have is None:
+                continue
+            if x is None:
+                x = self._fresh(j)
+            if have is None:
+                fresh = self._fresh(j)
+                have = (mx.zeros((self.rows, *x.shape[1:]), x.dtype) if fresh is None
+                        else mx.repeat(fresh, self.rows, axis=0))
+            self.cache[j] = mx.concatenate([have, x.astype(have.dtype)]) if self.rows else x
+        self.rows += 1
+        return self.rows - 1
+
+    def remove_row(self, row: int) -> None:
+        """Drop ``row``; the last row moves into its place (as in ``RaggedKVCache``)."""
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row must be in [0, {self.rows}), got {row}")
+        order = list(range(self.rows))
+        order[row] = order[-1]
+        order.pop()
+        index = mx.array(order, dtype=mx.int32)
+        self.cache = [None if c is None else (c[index] if order else c[:0])
+                      for c in self.cache]
+        self.rows -= 1
+
+    def row(self, row: int) -> list[mx.array | None]:
+        """Row ``row``'s state arrays, each ``(1, ...)`` (None where the model set none)."""
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row must be in [0, {self.rows}), got {row}")
+        return [None if c is None else c[row : row + 1] for c in self.cache]
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Nothing to drop: ``prepare(lengths=...)`` kept the padding out of every state."""

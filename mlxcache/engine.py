@@ -42,10 +42,10 @@ Examples:
     (3, 3, 3)
     >>> follow_up = [5, 6, 7, 8, *first, 10]
     >>> _ = engine.generate([follow_up], max_tokens=2)
-    >>> engine.stats.cached_tokens - 3          # the first prompt and all but the answer's last
-    6
+    >>> engine.stats.cached_tokens - 3          # the first prompt and its whole answer
+    7
     >>> engine.stats.cached_tokens, engine.stats.prompt_tokens, engine.stats.hit_rate
-    (9, 16, 0.5625)
+    (10, 16, 0.625)
     >>> print(engine.tree.pretty())                             # doctest: +ELLIPSIS
     RadixCache(page_size=1, total=..., evictable=..., protected=0)
     root extra_key=None
@@ -55,7 +55,9 @@ Examples:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 import warnings
@@ -68,22 +70,27 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache.cache import RaggedKVCache
+from mlxcache.cache import RaggedArraysCache, RaggedKVCache
+from mlxcache.layers import Layout, build, describe, leaves
 from mlxcache.pool import (
     POOL_NAME,
     PoolExhausted,
     alloc,
     bytes_per_token_slot,
     free,
+    get_states,
     init_allocator,
     init_pool,
+    init_state_pool,
     set_kv_all_layers,
+    set_states,
 )
 from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
 from servecore.memory import memory_budget
+from servecore.snapshots import snapshot_points
 from servecore.stats import ServingStats
 from servecore.validate import (
     check_int,
@@ -101,6 +108,9 @@ log = logging.getLogger("mlxcache")
 
 MAX_AUTO_SLOTS = 1 << 20
 """Upper bound on an automatically sized pool (about a million tokens)."""
+
+MIN_AUTO_SNAPSHOTS, MAX_AUTO_SNAPSHOTS = 8, 4096
+"""Bounds on an automatically sized state pool (hybrid models)."""
 
 DEFER_SHARED_TOKENS = 64
 """A request waits for the next prefill batch when it shares this many uncached tokens (or
@@ -130,7 +140,13 @@ class EngineStats(ServingStats):
         (0.75, 20.0, 80.0)
         >>> round(stats.mean_ttft, 6), EngineStats().hit_rate   # nothing yet: 0, not an error
         (0.3, 0.0)
+
+    Hybrid models also count ``snapshots_taken`` (recurrent-state snapshots stored in the
+    state pool) and ``state_evictions`` (snapshots evicted to make room).
     """
+
+    snapshots_taken: int = 0
+    state_evictions: int = 0
 
 
 # A request's life: "new" (made, its stream not read yet) -> "waiting" (queued) -> "prefill"
@@ -165,6 +181,8 @@ class _Request:
     node: TreeNode | None = None
     tree_slots: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
+    restore: int | None = None  # hybrid models: the snapshot slot of the state at `cached`
+    points: list[int] = field(default_factory=list)  # depths to snapshot during prefill
 
     @property
     def done(self) -> bool:
@@ -259,45 +277,62 @@ def auto_num_slots(
     return max(2, min(max_slots, budget // bytes_per_slot)), budget, source
 
 
-def _probe_kv_layout(model: nn.Module, num_layers: int) -> tuple[tuple | None, str | None]:
-    """Run two tokens through the model; ``((n_kv_heads, head_dim, dtype), None)`` when every
-    layer wrote keys and values of one shape, else ``(None, reason)``."""
-    caches = [RaggedKVCache(1) for _ in range(num_layers)]
+def _join_rows(dst: list[Any], src: list[Any], row: int) -> None:
+    """Append row ``row`` of the engine caches ``src`` to the engine caches ``dst``."""
+    for d, c in zip(leaves(dst), leaves(src), strict=True):
+        if isinstance(c, RaggedArraysCache):
+            d.add_row(c.row(row))
+        else:
+            d.add_row(*c.row(row))
+
+
+def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:
+    """Run two tokens through the model with the engine's caches: the layout with each state
+    array's shape, and ``((n_kv_heads, head_dim, v_head_dim, dtype), None)`` when every
+    attention cache
+    wrote keys and values of one shape (what one KV pool holds), else ``(None, reason)``."""
+    caches = build(layout, 1)
     mx.eval(model(mx.array([[0, 0]]), cache=caches))
+    flat = leaves(caches)
+    like = [[None if x is None else (tuple(x.shape[1:]), x.dtype) for x in flat[i].cache]
+            for i in layout.state_leaves]
+    layout = layout.with_states(like)
     shapes = set()
-    for i, c in enumerate(caches):
+    for i in layout.kv_leaves:
+        c = flat[i]
         if c.keys is None:
-            return None, f"layer {i} never wrote its cache"
+            return layout, None, f"cache {i} never wrote its keys"
         shapes.add((c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype))
+    if not shapes:
+        return layout, None, "the model has no attention layer (nothing for a KV pool)"
     if len(shapes) != 1:
-        return None, f"layers disagree on K/V shapes {sorted(map(str, shapes))}"
+        return layout, None, f"layers disagree on K/V shapes {sorted(map(str, shapes))}"
     ((heads, dk, dv, dtype),) = shapes
-    if dk != dv:
-        return None, f"key head_dim {dk} != value head_dim {dv}"
-    return (heads, dk, dtype), None
+    return layout, (heads, dk, dv, dtype), None
 
 
-def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
-    """None if a ragged batch (per-row positions and masks) computes what mlx-lm's
-    ``KVCache`` computes request by request, for a 2-token prefill and a decode step; else why
-    not."""
-    prefixes, new = [[0], [0, 0, 0]], [[1, 2], [3, 4]]
+def _probe_ragged_batch(model: nn.Module, layout: Layout) -> str | None:
+    """None if a ragged batch (per-row positions, masks and states, right padding) computes
+    what the model's own caches compute request by request, for a prefill and a decode step;
+    else why not."""
+    prefixes, new = [[0], [0, 0, 0]], [[1, 2, 6], [3, 4]]
     solo = []
     for p, n in zip(prefixes, new, strict=True):
-        caches = [KVCache() for _ in range(num_layers)]
+        caches = make_prompt_cache(model)
         model(mx.array([p]), cache=caches)
         prefill = model(mx.array([n]), cache=caches)[:, -1]
         solo.append((prefill, model(mx.array([[5]]), cache=caches)[:, -1]))
-    batch = [RaggedKVCache() for _ in range(num_layers)]
+    batch = build(layout, 0)
     for p in prefixes:
-        caches = [RaggedKVCache(1) for _ in range(num_layers)]
+        caches = build(layout, 1)
         model(mx.array([p]), cache=caches)
-        for b, c in zip(batch, caches, strict=True):
-            b.add_row(*c.row(0))
+        _join_rows(batch, caches, 0)
     try:
-        prefill = model(mx.array(new), cache=batch)[:, -1]
+        width = max(map(len, new))
+        last = _forward_padded(model, batch, [n[:-1] for n in new], width - 1)
+        prefill = model(mx.array([n[-1:] for n in new]), cache=batch)[:, -1]
         decode = model(mx.array([[5], [5]]), cache=batch)[:, -1]
-        mx.eval(prefill, decode)
+        mx.eval(prefill, decode, last)
     except Exception as e:  # any model that cannot take per-row offsets / masks
         return f"{type(e).__name__}: {e}"
     for got, want in ((prefill, [a for a, _ in solo]), (decode, [b for _, b in solo])):
@@ -306,6 +341,61 @@ def _probe_ragged_batch(model: nn.Module, num_layers: int) -> str | None:
         if not mx.allclose(got, want, rtol=1e-2, atol=1e-2 * scale).item():
             return "batched logits differ from per-request logits"
     return None
+
+
+def _pads_exactly(model: nn.Module, layout: Layout) -> bool:
+    """Does right padding leave a row's state as it was? Some models' recurrent layers mask
+    padding out of their outputs but not out of the state they carry (mlx-lm's Mamba2 SSM
+    under a mask and no ``lengths`` loses the real tokens' contribution): then a row must
+    never be padded part-way, only by whole forwards (which leave the state as it was)."""
+    if not layout.state_leaves:
+        return True
+    outs = []
+    for width in (2, 3):
+        caches = build(layout, 1)
+        model(mx.array([[0, 1, 2]]), cache=caches)
+        _forward_padded(model, caches, [[3, 4]], width)
+        outs.append(model(mx.array([[5]]), cache=caches)[:, -1])
+    mx.eval(outs)
+    scale = max(1.0, mx.abs(outs[0]).max().item())
+    return mx.allclose(outs[0], outs[1], rtol=1e-3, atol=1e-3 * scale).item()
+
+
+def _forward_padded(model: nn.Module, caches: list[Any], rows: list[list[int]], width: int
+                    ) -> mx.array | None:
+    """Run ``rows`` (row ``i``'s next tokens, at most ``width``) right-padded to ``width``
+    through the model: attention caches drop the padding after the forward, recurrent states
+    never take it in (``prepare(lengths=...)``). Returns the logits, None if ``width`` is 0."""
+    if width == 0:
+        return None
+    n = [len(r) for r in rows]
+    ragged = min(n) < width
+    flat = leaves(caches)
+    if ragged:
+        for c in flat:
+            if isinstance(c, RaggedArraysCache):
+                c.prepare(lengths=n)
+    before = [None if isinstance(c, RaggedArraysCache) else list(c.lengths) for c in flat]
+    try:
+        out = model(mx.array([r + [0] * (width - len(r)) for r in rows]), cache=caches)
+    finally:
+        for c in flat:
+            if isinstance(c, RaggedArraysCache):
+                c.finalize()
+    if ragged:
+        for c, was in zip(flat, before, strict=True):
+            if was is not None:
+                c.truncate([w + k for w, k in zip(was, n, strict=True)])
+    return out
+
+
+def _rebuilt(n: int, held_slots: list[int]) -> Any:
+    """An allocator of ``n`` slots where exactly ``held_slots`` (and the sink) are in use."""
+    held = np.zeros(n, dtype=bool)
+    held[0] = True  # the sink is never free
+    held[held_slots] = True
+    everything, _, _ = alloc(init_allocator(n), n - 1)
+    return free(everything, np.flatnonzero(~held))
 
 
 def _arrays_in(tree: Any) -> list[mx.array]:
@@ -332,7 +422,7 @@ def _listify(name: str, value: Any, n: int) -> list[Any]:
 
 
 def _check_options(num_slots, page_size, mem_fraction, max_batch_size, prefill_step_size,
-                   prefix_cache) -> dict[str, Any]:
+                   prefix_cache, num_snapshots=None, snapshot_interval=256) -> dict[str, Any]:
     """The engine's options, checked (a ValueError names the bad one), as plain Python values.
     The CLI checks its flags with this before it loads a model."""
     out = dict(
@@ -341,6 +431,9 @@ def _check_options(num_slots, page_size, mem_fraction, max_batch_size, prefill_s
         max_batch_size=check_int("max_batch_size", max_batch_size, 1),
         prefill_step_size=check_int("prefill_step_size", prefill_step_size, 1),
         mem_fraction=check_real("mem_fraction", mem_fraction),
+        num_snapshots=(None if num_snapshots is None
+                       else check_int("num_snapshots", num_snapshots, 2)),
+        snapshot_interval=check_int("snapshot_interval", snapshot_interval, 1),
     )
     if not 0 < out["mem_fraction"] <= 1:
         raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
@@ -434,12 +527,14 @@ class Engine:
         max_batch_size: int = 32,
         prefix_cache: bool = True,
         prefill_step_size: int = 2048,
+        num_snapshots: int | None = None,
+        snapshot_interval: int = 256,
     ):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
                              f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
         opts = _check_options(num_slots, page_size, mem_fraction, max_batch_size,
-                              prefill_step_size, prefix_cache)
+                              prefill_step_size, prefix_cache, num_snapshots, snapshot_interval)
         num_slots, mem_fraction, prefix_cache = (
             opts["num_slots"], opts["mem_fraction"], opts["prefix_cache"])
         page_size, max_batch_size, prefill_step_size = (
@@ -455,45 +550,69 @@ class Engine:
         self.vocab_size = _vocab_size(model)
         self.stats = EngineStats()
 
-        layer_caches = make_prompt_cache(model)
-        self.num_layers = len(layer_caches)
-        kinds = sorted({type(c).__name__ for c in layer_caches})
-        # A model's own make_cache may return KVCache subclasses with other semantics: exact type.
-        self.plain_kv = all(type(c) is KVCache for c in layer_caches)
-        self.reuse = self.plain_kv and prefix_cache
-        self.batched = self.plain_kv
-        if not self.plain_kv:
-            self._warn(f"model caches are {kinds}, not plain KVCache: no reuse, no batching")
-        layout = None
-        if self.reuse:
-            layout, why = _probe_kv_layout(model, self.num_layers)
-            if layout is None:
-                self.reuse = False
-                self._warn(f"{why}: the pool cannot hold this model's K/V, no reuse")
+        self.snapshot_interval = opts["snapshot_interval"]
+        layout = describe(make_prompt_cache(model))
+        self.num_layers = len(layout.entries)
+        self.cache_kinds = layout.kinds
+        # Every cache kind known (see mlxcache.layers): served with the engine's own caches,
+        # batched and with reuse; else with the model's caches, one request at a time.
+        self.supported = not layout.unsupported
+        kv = None
+        if self.supported:
+            layout, kv, why = _probe_layout(model, layout)
+        self.layout = layout
+        self.has_states = self.supported and bool(layout.state_leaves)
+        self.reuse = self.supported and prefix_cache
+        self.batched = self.supported
+        if not self.supported:
+            self._warn(f"model caches {list(layout.kinds)}: {list(layout.unsupported)} "
+                       "cannot be restored from a prefix cache: no reuse, no batching")
+        elif self.reuse and kv is None:
+            self.reuse = False
+            self._warn(f"{why}: the pool cannot hold this model's K/V, no reuse")
         if self.batched:
-            why = _probe_ragged_batch(model, self.num_layers)
+            why = _probe_ragged_batch(model, layout)
             if why is not None:
                 self.batched = False
                 self._warn(f"ragged batches fail ({why}): serving one request per forward")
+        # Whether a prefill row may be padded part-way (else forwards are cut so that each
+        # row runs whole or not at all; see _pads_exactly).
+        self.pads_exactly = self.supported and _pads_exactly(model, layout)
 
         self._pool = self._alloc = self._tree = None
+        self._states = self._state_alloc = None
         if self.reuse:
-            heads, head_dim, dtype = layout
-            per_slot = bytes_per_token_slot(self.num_layers, heads, head_dim, dtype)
+            heads, head_dim, v_head_dim, dtype = kv
+            n_kv = len(layout.kv_leaves)
+            per_slot = bytes_per_token_slot(n_kv, heads, head_dim, dtype, v_head_dim)
+            per_snapshot = sum(math.prod(x[0]) * x[1].size for leaf in layout.like
+                               for x in leaf if x is not None)
+            num_snapshots = opts["num_snapshots"]
             if num_slots is None:
                 num_slots, budget, source = auto_num_slots(per_slot, mem_fraction)
                 origin = f"auto: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB"
             else:
-                origin = "given"
-            self._pool = init_pool(self.num_layers, num_slots, heads, head_dim, dtype)
-            mx.eval(self._pool)
+                budget, origin = num_slots * per_slot, "given"
+            if self.has_states and num_snapshots is None:
+                # Snapshots take a quarter of the cache memory: the token pool keeps the rest.
+                if origin != "given":
+                    num_slots = max(2, num_slots * 3 // 4)
+                num_snapshots = int(min(MAX_AUTO_SNAPSHOTS,
+                                        max(MIN_AUTO_SNAPSHOTS, budget // 4 // per_snapshot)))
+            self._pool = init_pool(n_kv, num_slots, heads, head_dim, dtype, v_head_dim)
             self._alloc = init_allocator(num_slots)
-            self._tree = RadixCache(page_size)
+            self._tree = RadixCache(page_size, states=self.has_states)
+            mx.eval(self._pool)
+            if self.has_states:
+                self._states = init_state_pool(
+                    [x for leaf in layout.like for x in leaf if x is not None], num_snapshots)
+                self._state_alloc = init_allocator(num_snapshots)
+                mx.eval(self._states)
             log.info(
-                "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d layers, %d kv heads, "
-                "head_dim %d, %s, page_size %d",
-                num_slots, per_slot, num_slots * per_slot / 2**30, origin, self.num_layers,
-                heads, head_dim, dtype, page_size,
+                "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d attention layers, %d kv "
+                "heads, head_dim %d, %s, page_size %d; state pool %d snapshots x %d B",
+                num_slots, per_slot, num_slots * per_slot / 2**30, origin, n_kv, heads,
+                head_dim, dtype, page_size, self.num_snapshots, self.snapshot_bytes,
             )  # fmt: skip
 
         # One scheduler for every stream (see the class docstring): the waiting queue, the
@@ -520,6 +639,26 @@ class Engine:
     def num_free_slots(self) -> int:
         """Pool slots not held by the radix tree nor by a running request (0 without reuse)."""
         return self._alloc.num_free if self._alloc is not None else 0
+
+    @property
+    def num_snapshots(self) -> int:
+        """State pool size in snapshot slots (0 without states or reuse)."""
+        return self._states.num_slots if self._states is not None else 0
+
+    @property
+    def num_free_snapshots(self) -> int:
+        """Snapshot slots not held by the radix tree."""
+        return self._state_alloc.num_free if self._state_alloc is not None else 0
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one snapshot: every recurrent layer's state arrays of one request."""
+        return self._states.bytes_per_slot if self._states is not None else 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV pool and the state pool together (fixed at construction)."""
+        return sum(x.nbytes for x in (self._pool, self._states) if x is not None)
 
     @property
     def tree(self) -> RadixCache | None:
@@ -550,9 +689,9 @@ class Engine:
         """
         with self._serialized():
             if self._tree is not None:
-                freed = self._tree.evict(self._tree.evictable_size).slots
-                if freed:
-                    self._alloc = free(self._alloc, freed)
+                self._free(self._tree.evict(self._tree.evictable_size))
+                if self.has_states:
+                    self._free(self._tree.evict_states(self._tree.num_states))
 
     # -------------------------------------------------------------------------- API ----
 
@@ -811,7 +950,7 @@ class Engine:
 
     def _new_groups(self) -> None:
         """Empty decode groups: batched, the one running batch; else one group per request."""
-        self._batch = _Group([RaggedKVCache() for _ in range(self.num_layers)])
+        self._batch = _Group(build(self.layout, 0) if self.supported else [])
         self._groups = [self._batch] if self.batched else []
 
     def _abort(self, exc: BaseException, reqs: list[_Request], groups: bool) -> None:
@@ -856,12 +995,11 @@ class Engine:
             self._new_groups()
             self._tree.release_locks()
         self._settle()
-        n = self.num_slots
-        held = np.zeros(n, dtype=bool)
-        held[0] = True  # the sink is never free
-        held[self._tree.all_slots()] = True
-        everything, _, _ = alloc(init_allocator(n), n - 1)
-        self._alloc = free(everything, np.flatnonzero(~held))
+        self._alloc = _rebuilt(self.num_slots, self._tree.all_slots())
+        if self.has_states:
+            mx.async_eval(self._states)
+            self._state_alloc = _rebuilt(self.num_snapshots,
+                                         [h for _, h in self._tree.all_states()])
 
     def _settle(self) -> None:
         """Schedule every array the engine keeps between calls (``mx.async_eval``: no wait, so
@@ -877,19 +1015,60 @@ class Engine:
             arrays.extend(r.key for r in group.reqs)
         mx.async_eval(_arrays_in(arrays))
 
+    def _free(self, evicted: Any) -> None:
+        """Give what the tree evicted (``Evicted``: token slots, state handles) back."""
+        if evicted.slots:
+            self._alloc = free(self._alloc, evicted.slots)
+        if evicted.states:
+            self._state_alloc = free(self._state_alloc, evicted.states)
+
     def _alloc_slots(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting unlocked prefixes if needed; None if they cannot be had."""
         a, slots, ok = alloc(self._alloc, n)
         if not ok:
-            freed = self._tree.evict(n - self._alloc.num_free).slots
-            if freed:
-                self._alloc = free(self._alloc, freed)
-                self.stats.token_evictions += len(freed)
+            evicted = self._tree.evict(n - self._alloc.num_free)
+            self._free(evicted)
+            self.stats.token_evictions += len(evicted.slots)
+            self.stats.state_evictions += len(evicted.states)
             a, slots, ok = alloc(self._alloc, n)
             if not ok:
                 return None
         self._alloc = a
         return slots
+
+    def _alloc_snapshot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used unlocked state if none is
+        free; None if none can be had (the snapshot is skipped: the cache is only less
+        useful)."""
+        a, slots, ok = alloc(self._state_alloc, 1)
+        if not ok:
+            evicted = self._tree.evict_states(1)
+            self._free(evicted)
+            self.stats.state_evictions += len(evicted.states)
+            self.stats.token_evictions += len(evicted.slots)
+            a, slots, ok = alloc(self._state_alloc, 1)
+            if not ok:
+                return None
+        self._state_alloc = a
+        return slots[0]
+
+    def _match(self, tokens: list[int]) -> tuple[list[int], TreeNode, int, int | None]:
+        """``(slots, node, cached, restore)``: the tree's slots for the longest cached prefix
+        of ``tokens`` and its node (to lock), the tokens the request may skip, and (hybrid
+        models) the snapshot to restore at that depth.
+
+        Plain KV: every matched token is skipped, except that a full hit recomputes its last
+        token (its logits are needed). Hybrid: the prompt but its last token is matched, and
+        the usable prefix ends at the deepest state on the match; the tokens after it run
+        again (their K/V stay the tree's: they need no slot).
+        """
+        if not self.has_states:
+            slots, node, _ = self._tree.match_prefix(tokens)
+            return slots, node, min(len(slots), len(tokens) - 1), None
+        slots, node, at = self._tree.match_prefix(tokens[:-1])
+        if at.parent is None:  # the root: no state on the path, start from the zero state
+            return slots, node, 0, None
+        return slots, node, at.depth, at.state
 
     def _admit_batch(self, batch: list[_Request]) -> None:
         """Move the next prefill batch from the waiting queue into ``batch`` (maybe none: the
@@ -899,9 +1078,8 @@ class Engine:
         running = self._num_running()
         while self._waiting and running + len(batch) < self.max_batch_size:
             req = self._waiting[0]
-            slots, node, _ = (self._tree.match_prefix(req.tokens) if self.reuse
-                             else ([], None, None))
-            cached = min(len(slots), len(req.tokens) - 1)  # a full hit recomputes 1 token
+            slots, node, cached, restore = (self._match(req.tokens) if self.reuse
+                                            else ([], None, 0, None))
             todo = len(req.tokens) - cached
             if batch and (
                 not self.batched
@@ -909,7 +1087,7 @@ class Engine:
                 or self._shares_uncached(req, cached, batch)
             ):
                 break
-            if self.reuse and not self._reserve(req, slots, node, cached):
+            if self.reuse and not self._reserve(req, slots, node, cached, restore):
                 break
             batch.append(req)
             self._waiting.popleft()
@@ -924,15 +1102,22 @@ class Engine:
             other.tokens[: cached + want] == head for other in batch
         )
 
-    def _reserve(self, req: _Request, slots: list[int], node: TreeNode, cached: int) -> bool:
+    def _reserve(self, req: _Request, slots: list[int], node: TreeNode, cached: int,
+                 restore: int | None) -> bool:
         """Lock the matched prefix and allocate slots for the tokens the tree lacks; False to
-        wait. A full hit needs none: the token it recomputes is in the tree already."""
+        wait. A full hit needs none: the token it recomputes is in the tree already. Hybrid
+        models also plan where the prefill takes snapshots (``servecore.snapshots``)."""
         self._tree.lock(node)
         new = self._alloc_slots(len(req.tokens) - len(slots))
         if new is None:
             self._tree.unlock(node)
             return False
         req.node, req.tree_slots, req.cached, req.pending = node, slots, cached, new
+        req.restore = restore
+        if self.has_states:
+            req.points = [d for d in snapshot_points(len(req.tokens), len(slots), cached,
+                                                     self.snapshot_interval)
+                          if d % self.page_size == 0]
         return True
 
     def _prefill(self, reqs: list[_Request]) -> list[Any]:
@@ -942,36 +1127,44 @@ class Engine:
         """
         tic = time.perf_counter()
         todo = [r.tokens[r.cached :] for r in reqs]
-        if not self.plain_kv:
-            caches = make_prompt_cache(self.model)
-        elif self.reuse:
-            prefixes = [r.tree_slots[: r.cached] for r in reqs]
-            caches = [
-                RaggedKVCache.from_pool(self._pool, layer, prefixes)
-                for layer in range(self.num_layers)
-            ]
-        else:
-            caches = [RaggedKVCache(len(reqs)) for _ in range(self.num_layers)]
+        caches = self._prefill_caches(reqs) if self.supported else make_prompt_cache(self.model)
         # All but the last token first, evaluating only the caches, so the LM head runs for
-        # one position per request (as in mlx-lm's generators); then the last tokens.
-        heads = [t[:-1] for t in todo]
-        if len(reqs) == 1:  # alone: maybe long, in chunks
-            for start in range(0, len(heads[0]), self.prefill_step_size):
-                chunk = heads[0][start : start + self.prefill_step_size]
-                self.model(mx.array([chunk]), cache=caches)
-                mx.eval([c.state for c in caches])
-        elif max(map(len, heads)) > 0:  # right-padded to the longest, one forward
-            widest = max(map(len, heads))
-            self.model(mx.array([h + [0] * (widest - len(h)) for h in heads]), cache=caches)
-            for c in caches:
-                c.truncate([r.cached + len(h) for r, h in zip(reqs, heads, strict=True)])
+        # one position per request (as in mlx-lm's generators); then the last tokens. The
+        # first part runs in forwards of at most prefill_step_size tokens per row, each row
+        # stopping at its next snapshot point (hybrid models), right-padded to the longest.
+        pos = [r.cached for r in reqs]
+        ends = [len(r.tokens) - 1 for r in reqs]
+        points = [[d for d in r.points if d > r.cached] for r in reqs]
+        snaps: list[tuple[int, int, int]] = []  # (request, depth, snapshot slot)
+        while True:
+            stop = [min(end, p + self.prefill_step_size, *pts[:1])
+                    for p, end, pts in zip(pos, ends, points, strict=True)]
+            if self.supported and not self.pads_exactly:  # no row padded part-way
+                width = min((t - p for t, p in zip(stop, pos, strict=True) if t > p), default=0)
+                stop = [min(t, p + width) for t, p in zip(stop, pos, strict=True)]
+            rows = [r.tokens[p:t] for r, p, t in zip(reqs, pos, stop, strict=True)]
+            width = max(map(len, rows))
+            if width == 0:
+                break
+            if self.supported:
+                _forward_padded(self.model, caches, rows, width)
+            else:
+                self.model(mx.array(rows), cache=caches)
+            taken = [i for i, (t, pts) in enumerate(zip(stop, points, strict=True))
+                     if pts and pts[0] == t]
+            for i in taken:
+                points[i].pop(0)
+            snaps += self._snapshot(caches, taken, [stop[i] for i in taken])
+            mx.eval(_arrays_in([c.state for c in leaves(caches)]),
+                    _arrays_in([self._states and self._states.arrays]))
+            pos = stop
         last = self.model(mx.array([t[-1:] for t in todo]), cache=caches)[:, -1, :]
         tokens = self._sample(reqs, last)
-        mx.eval(tokens, [c.state for c in caches])
+        mx.eval(tokens, _arrays_in([c.state for c in leaves(caches)]))
         for req, token in zip(reqs, tokens.tolist(), strict=True):
             req.output.append(token)
         if self.reuse:
-            self._publish_prompts(reqs, caches)
+            self._publish_prompts(reqs, caches, snaps)
         toc = time.perf_counter()
         s = self.stats
         s.requests += len(reqs)
@@ -982,11 +1175,62 @@ class Engine:
         s.ttft.extend(toc - r.arrival for r in reqs)
         return caches
 
-    def _publish_prompts(self, reqs: list[_Request], caches: list[RaggedKVCache]) -> None:
-        """Write the new K/V to the pool, insert the prompts, move each lock onto its prompt."""
+    def _prefill_caches(self, reqs: list[_Request]) -> list[Any]:
+        """The engine's caches for a prefill batch: each row starts from its cached prefix,
+        the attention layers' K/V gathered from the pool, the recurrent layers' state copied
+        from its snapshot (copy-on-write: the snapshot stays as it was)."""
+        layout = self.layout
+        if not self.reuse:
+            return build(layout, len(reqs))
+        prefixes = [r.tree_slots[: r.cached] for r in reqs]
+        flat = list(layout.leaves)
+        out: list[Any] = [None] * len(flat)
+        for layer, i in enumerate(layout.kv_leaves):
+            out[i] = RaggedKVCache.from_pool(self._pool, layer, prefixes, flat[i].window)
+        if self.has_states:
+            restoring = [k for k, r in enumerate(reqs) if r.restore is not None]
+            got = (get_states(self._states, [reqs[k].restore for k in restoring])
+                   if restoring else ())
+            at = {k: j for j, k in enumerate(restoring)}
+            arrays = itertools.count()
+            for leaf, like in zip(layout.state_leaves, layout.like, strict=True):
+                which = [None if x is None else next(arrays) for x in like]
+                rows = [None if k not in at else
+                        [None if w is None else got[w][at[k] : at[k] + 1] for w in which]
+                        for k in range(len(reqs))]
+                out[leaf] = RaggedArraysCache.from_rows(flat[leaf].size, like, rows)
+        return build(layout, leaf_caches=out)
+
+    def _snapshot(self, caches: list[Any], rows: list[int], depths: list[int]
+                  ) -> list[tuple[int, int, int]]:
+        """Store the recurrent states of ``rows`` of ``caches`` in the state pool (one slot
+        each, while slots can be had); ``(row, depth, slot)`` of those stored."""
+        if not rows:
+            return []
+        taken = []
+        for row, depth in zip(rows, depths, strict=True):
+            slot = self._alloc_snapshot()
+            if slot is None:
+                break
+            taken.append((row, depth, slot))
+        if taken:
+            flat = leaves(caches)
+            states = [mx.concatenate([flat[i].row(row)[j] for row, _, _ in taken])
+                      for i, like in zip(self.layout.state_leaves, self.layout.like, strict=True)
+                      for j, x in enumerate(like) if x is not None]
+            self._states = set_states(self._states, [slot for _, _, slot in taken], states)
+            self.stats.snapshots_taken += len(taken)
+        return taken
+
+    def _publish_prompts(self, reqs: list[_Request], caches: list[Any],
+                         snaps: list[tuple[int, int, int]]) -> None:
+        """Write the new K/V to the pool, insert the prompts (and hang the snapshots taken
+        along them on the tree), move each lock onto its prompt."""
         new = [(i, r) for i, r in enumerate(reqs) if r.pending]  # a full hit writes nothing
         if new:
-            rows = [[c.row(i, len(r.tree_slots)) for i, r in new] for c in caches]
+            flat = leaves(caches)
+            kv = [flat[i] for i in self.layout.kv_leaves]
+            rows = [[c.row(i, len(r.tree_slots)) for i, r in new] for c in kv]
             self._pool = set_kv_all_layers(
                 self._pool,
                 mx.array([s for _, r in new for s in r.pending], dtype=mx.int32),
@@ -997,10 +1241,19 @@ class Engine:
         for req in reqs:
             self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
             req.pending = []
+        for row, depth, slot in snaps:
+            self._add_state(reqs[row].tokens[:depth], slot)
+        for req in reqs:
             slots, node, _ = self._tree.match_prefix(req.tokens)
             self._tree.lock(node)
             self._tree.unlock(req.node)
             req.node, req.tree_slots = node, slots
+
+    def _add_state(self, tokens: list[int], slot: int) -> None:
+        """Hang snapshot ``slot`` on the tree at ``tokens``' end; give it back if the tree
+        has a state there already (or lacks the tokens: their K/V were not kept)."""
+        if not self._tree.add_state(tokens, slot):
+            self._state_alloc = free(self._state_alloc, [slot])
 
     def _insert(self, tokens: list[int], slots: list[int], owned: int) -> None:
         """Insert ``tokens``; ``slots[:owned]`` are the tree's already, the rest are ours.
@@ -1017,17 +1270,16 @@ class Engine:
     def _join(self, req: _Request, caches: list[Any], row: int) -> None:
         """Put a prefilled request (row ``row`` of ``caches``) into the running batch, or,
         unbatched, into a group of its own."""
-        if not self.plain_kv:  # mlx-lm's own caches, one request
+        if not self.supported:  # mlx-lm's own caches, one request
             group = _Group(caches)
             self._groups.append(group)
         else:
             if self.batched:
                 group = self._batch
             else:
-                group = _Group([RaggedKVCache() for _ in caches])
+                group = _Group(build(self.layout, 0))
                 self._groups.append(group)
-            for dst, src in zip(group.caches, caches, strict=True):
-                dst.add_row(*src.row(row))
+            _join_rows(group.caches, caches, row)
         group.add(req)
         req.group, req.state = group, "running"
 
@@ -1077,8 +1329,8 @@ class Engine:
             row = group.reqs.index(req)
             if self.reuse and publish:
                 self._publish_answer(req, group, row)
-            if isinstance(group.caches[0], RaggedKVCache):
-                for c in group.caches:
+            if self.supported:
+                for c in leaves(group.caches):
                     c.remove_row(row)
             group.remove(row)
             if not group.reqs and group is not self._batch:
@@ -1089,8 +1341,13 @@ class Engine:
         req.state, req.group = state, None
 
     def _publish_answer(self, req: _Request, group: _Group, row: int) -> None:
-        """Write the generated tokens' K/V (all but the last, never fed back) to the pool."""
-        seq = req.tokens + req.output[:-1]
+        """Write the K/V of the generated tokens that ran (all of them: a request finishes in
+        the step that fed its last token) to the pool and insert prompt + answer; hybrid
+        models also snapshot the state there, for the next turn of a conversation."""
+        flat = leaves(group.caches)
+        kv = [flat[i] for i in self.layout.kv_leaves]
+        ran = kv[0].lengths[row]
+        seq = (req.tokens + req.output)[:ran]
         total = len(seq) - len(seq) % self.page_size
         start = len(req.tree_slots)
         if total <= start:
@@ -1098,12 +1355,17 @@ class Engine:
         new = self._alloc_slots(total - start)
         if new is None:  # the pool is full of locked prefixes: skip caching this answer
             return
-        kv = [c.row(row, start) for c in group.caches]
+        rows = [c.row(row, start) for c in kv]
         self._pool = set_kv_all_layers(
             self._pool,
             mx.array(new, dtype=mx.int32),
-            [k[:, :, : total - start] for k, _ in kv],
-            [v[:, :, : total - start] for _, v in kv],
+            [k[:, :, : total - start] for k, _ in rows],
+            [v[:, :, : total - start] for _, v in rows],
         )
         mx.eval(self._pool)
         self._insert(seq[:total], req.tree_slots + new, start)
+        if self.has_states and total == ran:
+            taken = self._snapshot(group.caches, [row], [ran])
+            mx.eval(self._states)
+            for _, depth, slot in taken:
+                self._add_state(seq[:depth], slot)

@@ -46,17 +46,22 @@ if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run
 __all__ = [
     "POOL_NAME",
     "KVPool",
+    "STATE_POOL_NAME",
+    "StatePool",
     "PoolExhausted",
     "SlotAllocator",
     "alloc",
     "bytes_per_token_slot",
     "free",
     "get_kv",
+    "get_states",
     "host_slots",
     "init_allocator",
     "init_pool",
+    "init_state_pool",
     "set_kv",
     "set_kv_all_layers",
+    "set_states",
 ]
 
 
@@ -108,6 +113,12 @@ class KVPool(NamedTuple):
         return self.keys[0].shape[2]
 
     @property
+    def v_head_dim(self) -> int:
+        """Size of one head's value vector (``head_dim`` unless the model's differ, as MLA's
+        keys and values do)."""
+        return self.values[0].shape[2]
+
+    @property
     def dtype(self) -> mx.Dtype:
         """Element type of every key and value array."""
         return self.keys[0].dtype
@@ -120,17 +131,21 @@ class KVPool(NamedTuple):
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one token slot takes across all layers, keys and values."""
-        return bytes_per_token_slot(self.num_layers, self.n_kv_heads, self.head_dim, self.dtype)
+        return bytes_per_token_slot(self.num_layers, self.n_kv_heads, self.head_dim, self.dtype,
+                                    self.v_head_dim)
 
 
-def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-    """Bytes one token slot takes: keys and values of every layer.
+def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                         v_head_dim: int | None = None) -> int:
+    """Bytes one token slot takes: keys and values of every layer (values of ``v_head_dim``,
+    by default ``head_dim``).
 
     Examples:
         >>> bytes_per_token_slot(num_layers=2, n_kv_heads=4, head_dim=16, dtype=mx.float16)
         512
     """
-    return 2 * num_layers * n_kv_heads * head_dim * dtype.size
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return num_layers * n_kv_heads * (head_dim + v_head_dim) * dtype.size
 
 
 def init_pool(
@@ -139,8 +154,10 @@ def init_pool(
     n_kv_heads: int,
     head_dim: int,
     dtype: mx.Dtype = mx.float16,
+    v_head_dim: int | None = None,
 ) -> KVPool:
-    """A zeroed pool: ``num_layers`` key and value arrays of ``[num_slots, n_kv_heads, head_dim]``.
+    """A zeroed pool: ``num_layers`` key and value arrays of ``[num_slots, n_kv_heads, head_dim]``
+    (values ``[num_slots, n_kv_heads, v_head_dim]`` when given).
 
     ``num_slots`` counts the padding sink (slot 0), so it must be at least 2.
 
@@ -155,10 +172,11 @@ def init_pool(
     head_dim = check_int("head_dim", head_dim, 1)
     if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
         raise ValueError(f"dtype={dtype!r} must be a floating mlx dtype (mx.float16, ...)")
+    v_head_dim = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
     shape = (num_slots, n_kv_heads, head_dim)
     return KVPool(
         keys=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
-        values=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
+        values=tuple(mx.zeros((*shape[:2], v_head_dim), dtype=dtype) for _ in range(num_layers)),
     )
 
 
@@ -225,7 +243,7 @@ def _as_rows(pool: KVPool, name: str, x: mx.array, num_tokens: int) -> mx.array:
 
     Accepts ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``.
     """
-    want = (num_tokens, pool.n_kv_heads, pool.head_dim)
+    want = (num_tokens, pool.n_kv_heads, pool.v_head_dim if name[0] == "v" else pool.head_dim)
     if x.ndim == 4 and x.shape[0] == 1:
         x = x[0].swapaxes(0, 1)
     if tuple(x.shape) != want:
@@ -453,3 +471,117 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
     if double.size:
         raise ValueError(f"double free: slots already free: {double[:8].tolist()}")
     return a._replace(free_slots=_frozen(np.concatenate([a.free_slots, arr[::-1]])))
+
+
+# --------------------------------------------------------------------------------------------
+# State pool (recurrent layers of hybrid models)
+# --------------------------------------------------------------------------------------------
+
+STATE_POOL_NAME = "state snapshot slots"
+"""What ``PoolExhausted`` calls the state pool."""
+
+
+class StatePool(NamedTuple):
+    """Snapshots of recurrent layer states (the arrays of mlx-lm ``ArraysCache`` layers): one
+    array ``[num_slots, *shape]`` per state array of the model, in the model's cache order.
+
+    A snapshot slot holds one request's state of every recurrent layer at one depth (a conv
+    window and a recurrent state per layer, say), in the dtype the live state has, so a
+    restore is exact. Slot 0 is the sink, as in ``KVPool``. Change it only through
+    ``set_states``, which returns a new pool; use it linearly, as a ``KVPool``.
+
+    Examples:
+        >>> pool = init_state_pool([((3, 4), mx.float32), ((2,), mx.float16)], num_slots=5)
+        >>> pool.num_slots, [a.shape for a in pool.arrays], pool.bytes_per_slot
+        (5, [(5, 3, 4), (5, 2)], 52)
+    """
+
+    arrays: tuple[mx.array, ...]
+
+    @property
+    def num_slots(self) -> int:
+        """Snapshot slots, the sink (slot 0) included."""
+        return self.arrays[0].shape[0] if self.arrays else 0
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one snapshot: every recurrent state array of one request."""
+        return sum(a.nbytes // a.shape[0] for a in self.arrays)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the whole pool."""
+        return sum(a.nbytes for a in self.arrays)
+
+
+def init_state_pool(
+    shapes: Sequence[tuple[Sequence[int], mx.Dtype]], num_slots: int
+) -> StatePool:
+    """A zeroed state pool: one ``[num_slots, *shape]`` array per ``(shape, dtype)``.
+
+    Examples:
+        >>> init_state_pool([((2, 2), mx.float32)], num_slots=3).arrays[0].shape
+        (3, 2, 2)
+    """
+    num_slots = _check_num_slots(num_slots)
+    if not shapes:
+        raise ValueError("a state pool needs at least one state array (shape, dtype)")
+    out = []
+    for i, (shape, dtype) in enumerate(shapes):
+        if not isinstance(dtype, mx.Dtype):
+            raise ValueError(f"shapes[{i}] dtype={dtype!r} must be an mlx dtype")
+        out.append(mx.zeros((num_slots, *(check_int(f"shapes[{i}]", d, 1) for d in shape)),
+                            dtype=dtype))
+    return StatePool(tuple(out))
+
+
+def _state_slots(pool: StatePool, slots: Sequence[int] | np.ndarray | mx.array) -> mx.array:
+    if isinstance(slots, mx.array):
+        if slots.ndim != 1 or not mx.issubdtype(slots.dtype, mx.integer):
+            raise ValueError(f"slots must be a 1-D integer array, got shape {slots.shape} "
+                             f"dtype {slots.dtype}")
+        return slots
+    return mx.array(host_slots("slots", slots, pool.num_slots).astype(np.int32))
+
+
+def set_states(
+    pool: StatePool, slots: Sequence[int] | np.ndarray | mx.array, states: Sequence[mx.array]
+) -> StatePool:
+    """A pool with ``states[j][i]`` stored at snapshot slot ``slots[i]`` of array ``j``;
+    ``pool`` is unchanged. ``states`` has one ``[n, *shape]`` array per pool array, in the
+    pool's dtype (a snapshot is exact: another dtype is an error, never a cast).
+
+    Examples:
+        >>> pool = init_state_pool([((2,), mx.float32)], num_slots=4)
+        >>> pool = set_states(pool, [3], [mx.array([[1.0, 2.0]])])
+        >>> get_states(pool, [3, 0])[0].tolist()
+        [[1.0, 2.0], [0.0, 0.0]]
+    """
+    idx = _state_slots(pool, slots)
+    n = idx.shape[0]
+    if len(states) != len(pool.arrays):
+        raise ValueError(f"need one state array per pool array ({len(pool.arrays)}), got "
+                         f"{len(states)}")
+    out = []
+    for j, (dst, x) in enumerate(zip(pool.arrays, states, strict=True)):
+        if tuple(x.shape) != (n, *dst.shape[1:]) or x.dtype != dst.dtype:
+            raise ValueError(f"states[{j}] must be {[n, *dst.shape[1:]]} {dst.dtype}, got "
+                             f"{list(x.shape)} {x.dtype}")
+        index = mx.broadcast_to(idx.reshape(n, *([1] * (x.ndim - 1))), x.shape)
+        out.append(mx.put_along_axis(dst, index, x, axis=0))
+    return StatePool(tuple(out))
+
+
+def get_states(
+    pool: StatePool, slots: Sequence[int] | np.ndarray | mx.array
+) -> tuple[mx.array, ...]:
+    """The snapshots at ``slots``: one ``[n, *shape]`` array per pool array (a copy: the pool
+    keeps its own).
+
+    Examples:
+        >>> pool = init_state_pool([((2,), mx.float32)], num_slots=4)
+        >>> get_states(pool, [1, 2])[0].shape
+        (2, 2)
+    """
+    idx = _state_slots(pool, slots)
+    return tuple(mx.take(a, idx, axis=0) for a in pool.arrays)

@@ -223,8 +223,9 @@ def test_follow_up_turn_reuses_the_answer(llama_model):
     turn = first + answer + tokens(rng, 3)
     before = engine.stats.cached_tokens
     assert engine.generate([turn], max_tokens=5) == [reference(llama_model, turn, 5)]
-    # all of the prompt and the answer but its last token (never fed back) were cached
-    assert engine.stats.cached_tokens - before == len(first) + len(answer) - 1
+    # all of the prompt and the answer were cached (the answer's last token ran in the
+    # decode step that emitted it)
+    assert engine.stats.cached_tokens - before == len(first) + len(answer)
 
 
 def test_eviction_under_pressure_keeps_outputs_exact(model):
@@ -303,7 +304,7 @@ def test_each_prompt_reuses_its_longest_cached_prefix(llama_model, prompts, page
         assert out == cached_reference(llama_model, p, 2)
         want = min(len(p) - 1, ref_longest_prefix(cached, p, page_size))
         assert engine.stats.cached_tokens - before == want
-        cached += [p, p + out[:-1]]  # the last token was never fed back: not cached
+        cached += [p, p + out]  # the answer's last token ran in the step that emitted it
     assert engine.stats.token_evictions == 0
     assert_intact(engine)
 
@@ -371,18 +372,39 @@ def _sliding_llama():
     )
 
 
-@pytest.mark.parametrize(
-    "build, kind",
-    [(_qwen3_next, "ArraysCache"), (_mamba, "Cache"), (_sliding_llama, "RotatingKVCache")],
-    ids=["qwen3_next", "mamba", "sliding_window"],
-)
-def test_non_kv_models_are_served_without_reuse(build, kind):
+@pytest.mark.parametrize("build", [_qwen3_next, _sliding_llama], ids=["qwen3_next", "sliding"])
+def test_hybrid_and_sliding_window_models_are_served_with_reuse(build):
+    """(tests/test_mlx_hybrid.py covers these families scenario by scenario.)"""
     model = build()
-    with pytest.warns(ReuseDisabledWarning, match=kind):
-        engine = Engine(model, num_slots=256)
-    assert not engine.reuse and not engine.batched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReuseDisabledWarning)
+        engine = Engine(model, num_slots=256, snapshot_interval=4)
+    assert engine.reuse and engine.batched
     rng = random.Random(8)
     prefix = tokens(rng, 12)  # longer than the sliding window
+    prompts = [prefix + [5], prefix + [5], prefix + [9, 3]]
+    assert engine.generate(prompts, max_tokens=5) == [reference(model, p, 5) for p in prompts]
+    assert engine.stats.cached_tokens > 0
+
+
+def _llama4():
+    from mlxcache import zoo
+
+    return zoo.make("llama4")
+
+
+@pytest.mark.parametrize(
+    "build, why",
+    [(_mamba, "no attention layer"), (_llama4, r"\['ChunkedKVCache'\] cannot be restored")],
+    ids=["mamba", "chunked"],
+)
+def test_models_the_cache_cannot_hold_are_named_and_served_without_reuse(build, why):
+    model = build()
+    with pytest.warns(ReuseDisabledWarning, match=why):
+        engine = Engine(model, num_slots=256)
+    assert not engine.reuse
+    rng = random.Random(8)
+    prefix = tokens(rng, 12)
     prompts = [prefix + [5], prefix + [5], prefix + [9, 3]]
     assert engine.generate(prompts, max_tokens=5) == [reference(model, p, 5) for p in prompts]
     assert engine.stats.cached_tokens == 0

@@ -1,0 +1,179 @@
+"""What each layer of an mlx-lm model keeps, and the engine's ragged caches for it.
+
+An mlx-lm model makes its own caches (``make_prompt_cache(model)``): one per layer, each a
+``KVCache`` (full attention), a ``RotatingKVCache`` (sliding-window attention), an
+``ArraysCache`` (the conv and recurrent state of a linear-attention or SSM layer), a
+``CacheList`` of several of those (a layer with both, as Falcon-H1's), or a kind this module
+does not know (``ChunkedKVCache``, ``QuantizedKVCache``, ...). ``describe`` reads that list
+into a ``Layout``; ``build`` makes the engine's caches of the same shape, one row per request:
+
+==================  =================================  =====================================
+the model's cache   the engine's                       what the prefix cache keeps of it
+==================  =================================  =====================================
+``KVCache``         ``RaggedKVCache``                  K/V per token, in the KV pool
+``RotatingKVCache`` ``RaggedKVCache(window=max_size)`` K/V per token, in the KV pool (a
+                                                       prefix of any length restores)
+``ArraysCache``     ``RaggedArraysCache``              state snapshots at some depths, in
+                                                       the state pool
+``CacheList``       ``CacheList`` of the above         each member as above
+==================  =================================  =====================================
+
+A sliding-window layer's cache holds every row's whole history (the mask bounds what each
+query reads to the window), so a restore gives attention exactly the keys the model's own
+rotating cache would hold, whatever the prefix length. A ``RotatingKVCache`` with ``keep``
+(sink) tokens is not one of these: mlx-lm's own rotation of kept tokens is not expressible as a
+window mask, so it is reported unsupported rather than served with different attention.
+
+Examples:
+    >>> from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+    >>> layout = describe([KVCache(), RotatingKVCache(max_size=8),
+    ...                    CacheList(ArraysCache(2), KVCache())])
+    >>> layout.kinds
+    ('ArraysCache', 'KVCache', 'RotatingKVCache(8)')
+    >>> [leaf.kind for leaf in layout.leaves], layout.kv_leaves, layout.state_leaves
+    (['kv', 'window', 'arrays', 'kv'], (0, 1, 3), (2,))
+    >>> describe([KVCache(), RotatingKVCache(max_size=8, keep=4)]).unsupported
+    ('RotatingKVCache(keep=4)',)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+from mlxcache.cache import RaggedArraysCache, RaggedKVCache
+
+__all__ = ["Layout", "Leaf", "build", "describe", "leaves"]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One cache of one layer: ``kind`` is ``"kv"``, ``"window"`` (``window`` tokens) or
+    ``"arrays"`` (``size`` state arrays)."""
+
+    kind: str
+    window: int | None = None
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's caches, read by ``describe``.
+
+    Attributes:
+        entries: per layer, a ``Leaf``, or a tuple of them (a ``CacheList``).
+        unsupported: names of the caches this module does not know (empty: all known).
+        kinds: every cache kind the model uses, by name, sorted.
+        like: per state leaf (``state_leaves`` order), each state array's ``(shape, dtype)``
+            for one row; filled in by the engine's probe (``with_states``).
+    """
+
+    entries: tuple[Leaf | tuple[Leaf, ...], ...]
+    unsupported: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
+    like: tuple[tuple[tuple[tuple[int, ...], mx.Dtype] | None, ...], ...] = field(default=())
+
+    @property
+    def leaves(self) -> tuple[Leaf, ...]:
+        """Every leaf, layer by layer, ``CacheList`` members in order."""
+        out: list[Leaf] = []
+        for e in self.entries:
+            out.extend(e if isinstance(e, tuple) else (e,))
+        return tuple(out)
+
+    @property
+    def kv_leaves(self) -> tuple[int, ...]:
+        """Indices (into ``leaves``) of the attention caches: the KV pool's layers."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if leaf.kind != "arrays")
+
+    @property
+    def state_leaves(self) -> tuple[int, ...]:
+        """Indices (into ``leaves``) of the recurrent-state caches."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if leaf.kind == "arrays")
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The sliding windows in use, sorted (empty: no sliding-window layer)."""
+        return tuple(sorted({leaf.window for leaf in self.leaves if leaf.kind == "window"}))
+
+    def with_states(self, like: Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype] | None]]
+                    ) -> Layout:
+        """This layout with the state shapes ``like`` (one entry per state leaf)."""
+        if len(like) != len(self.state_leaves):
+            raise ValueError(f"{len(like)} state shapes for {len(self.state_leaves)} leaves")
+        return Layout(self.entries, self.unsupported, self.kinds,
+                      tuple(tuple(x) for x in like))
+
+
+def _leaf(cache: Any, bad: list[str], kinds: set[str]) -> Leaf | tuple[Leaf, ...]:
+    kind = type(cache)
+    if kind is CacheList:
+        return tuple(_leaf(c, bad, kinds) for c in cache.caches)
+    if kind is KVCache:  # exact types: a subclass may mean other semantics
+        kinds.add("KVCache")
+        return Leaf("kv")
+    if kind is RotatingKVCache:
+        if cache.keep:
+            bad.append(f"RotatingKVCache(keep={cache.keep})")
+        kinds.add(f"RotatingKVCache({cache.max_size})")
+        return Leaf("window", window=int(cache.max_size))
+    if kind is ArraysCache:
+        kinds.add("ArraysCache")
+        return Leaf("arrays", size=len(cache.cache))
+    bad.append(kind.__name__)
+    kinds.add(kind.__name__)
+    return Leaf("unknown")
+
+
+def describe(caches: Sequence[Any]) -> Layout:
+    """The layout of a model's own caches (``make_prompt_cache(model)``)."""
+    bad: list[str] = []
+    kinds: set[str] = set()
+    entries = tuple(_leaf(c, bad, kinds) for c in caches)
+    if any(isinstance(e, tuple) and any(isinstance(m, tuple) for m in e) for e in entries):
+        bad.append("nested CacheList")
+    return Layout(entries, tuple(sorted(set(bad))), tuple(sorted(kinds)))
+
+
+def _make(leaf: Leaf, num_rows: int, like: Any) -> Any:
+    if leaf.kind == "arrays":
+        return RaggedArraysCache.from_rows(leaf.size, like, [None] * num_rows)
+    return RaggedKVCache(num_rows, leaf.window)
+
+
+def build(layout: Layout, num_rows: int = 0, leaf_caches: Sequence[Any] | None = None
+          ) -> list[Any]:
+    """The engine's caches for ``layout``, one per layer (``CacheList`` where the model has
+    one): ``num_rows`` fresh rows, or the given ``leaf_caches`` (one per leaf, in ``leaves``
+    order) put in place.
+
+    Examples:
+        >>> from mlx_lm.models.cache import KVCache, RotatingKVCache
+        >>> caches = build(describe([KVCache(), RotatingKVCache(max_size=4)]), num_rows=2)
+        >>> [type(c).__name__ for c in caches], caches[1].window, caches[0].batch_size
+        (['RaggedKVCache', 'RaggedKVCache'], 4, 2)
+    """
+    if layout.unsupported:
+        raise ValueError(f"caches {list(layout.unsupported)} have no ragged form")
+    flat = list(layout.leaves)
+    if leaf_caches is None:
+        state_like = dict(zip(layout.state_leaves, layout.like, strict=False))
+        leaf_caches = [_make(leaf, num_rows, state_like.get(i, [None] * leaf.size))
+                       for i, leaf in enumerate(flat)]
+    elif len(leaf_caches) != len(flat):
+        raise ValueError(f"{len(leaf_caches)} caches for {len(flat)} leaves")
+    it = iter(leaf_caches)
+    return [CacheList(*(next(it) for _ in e)) if isinstance(e, tuple) else next(it)
+            for e in layout.entries]
+
+
+def leaves(caches: Sequence[Any]) -> list[Any]:
+    """The leaf caches of ``caches`` (``CacheList`` members in order), as ``Layout.leaves``."""
+    out: list[Any] = []
+    for c in caches:
+        out.extend(c.caches if isinstance(c, CacheList) else (c,))
+    return out
