@@ -311,11 +311,11 @@ def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | Non
     return layout, (heads, dk, dv, dtype), None
 
 
-def _probe_ragged_batch(model: nn.Module, layout: Layout) -> str | None:
-    """None if a ragged batch (per-row positions, masks and states, right padding) computes
-    what the model's own caches compute request by request, for a prefill and a decode step;
-    else why not."""
-    prefixes, new = [[0], [0, 0, 0]], [[1, 2, 6], [3, 4]]
+def _probe_ragged_batch(model: nn.Module, layout: Layout, pads: bool) -> str | None:
+    """None if a ragged batch (per-row positions, masks and states, right padding where
+    ``pads``) computes what the model's own caches compute request by request, for a
+    prefill and a decode step; else why not."""
+    prefixes, new = [[0], [0, 0, 0]], [[1, 2, 6], [3, 4]] if pads else [[1, 6], [3, 4]]
     solo = []
     for p, n in zip(prefixes, new, strict=True):
         caches = make_prompt_cache(model)
@@ -343,22 +343,28 @@ def _probe_ragged_batch(model: nn.Module, layout: Layout) -> str | None:
     return None
 
 
-def _pads_exactly(model: nn.Module, layout: Layout) -> bool:
-    """Does right padding leave a row's state as it was? Some models' recurrent layers mask
-    padding out of their outputs but not out of the state they carry (mlx-lm's Mamba2 SSM
-    under a mask and no ``lengths`` loses the real tokens' contribution): then a row must
-    never be padded part-way, only by whole forwards (which leave the state as it was)."""
+def _padding(model: nn.Module, layout: Layout) -> tuple[bool, bool]:
+    """Does right padding leave a row's state as it should? ``(part, whole)``: a row padded
+    part-way (2 real tokens in a 3-token forward), and a row that is all padding in a forward.
+    Some models' recurrent layers mask padding out of their outputs but not out of the state
+    they carry (mlx-lm's Mamba2 SSM under a mask and no ``lengths`` loses the real tokens'
+    contribution; a conv state without ``lengths`` shifts the padding in): a model that pads
+    whole forwards exactly is served with forwards cut so that no row is padded part-way; one
+    that does not is served one request per forward."""
     if not layout.state_leaves:
-        return True
+        return True, True
     outs = []
-    for width in (2, 3):
+    for empty, width in ((0, 2), (0, 3), (2, 2)):
         caches = build(layout, 1)
         model(mx.array([[0, 1, 2]]), cache=caches)
+        if empty:
+            _forward_padded(model, caches, [[]], empty)
         _forward_padded(model, caches, [[3, 4]], width)
         outs.append(model(mx.array([[5]]), cache=caches)[:, -1])
     mx.eval(outs)
     scale = max(1.0, mx.abs(outs[0]).max().item())
-    return mx.allclose(outs[0], outs[1], rtol=1e-3, atol=1e-3 * scale).item()
+    return tuple(mx.allclose(outs[0], x, rtol=1e-3, atol=1e-3 * scale).item()
+                 for x in outs[1:])
 
 
 def _forward_padded(model: nn.Module, caches: list[Any], rows: list[list[int]], width: int
@@ -570,14 +576,19 @@ class Engine:
         elif self.reuse and kv is None:
             self.reuse = False
             self._warn(f"{why}: the pool cannot hold this model's K/V, no reuse")
+        # Whether a prefill row may be padded part-way (else forwards are cut so that each
+        # row runs whole or not at all; see _padding).
+        part, whole = _padding(model, layout) if self.supported else (False, False)
+        self.pads_exactly = part
+        if self.batched and not whole:
+            self.batched = False
+            self._warn("right padding changes the recurrent state (the model's recurrent "
+                       "layers take no lengths): serving one request per forward")
         if self.batched:
-            why = _probe_ragged_batch(model, layout)
+            why = _probe_ragged_batch(model, layout, self.pads_exactly)
             if why is not None:
                 self.batched = False
                 self._warn(f"ragged batches fail ({why}): serving one request per forward")
-        # Whether a prefill row may be padded part-way (else forwards are cut so that each
-        # row runs whole or not at all; see _pads_exactly).
-        self.pads_exactly = self.supported and _pads_exactly(model, layout)
 
         self._pool = self._alloc = self._tree = None
         self._states = self._state_alloc = None

@@ -53,7 +53,13 @@ __all__ = ["Layout", "Leaf", "build", "describe", "leaves"]
 @dataclass(frozen=True)
 class Leaf:
     """One cache of one layer: ``kind`` is ``"kv"``, ``"window"`` (``window`` tokens) or
-    ``"arrays"`` (``size`` state arrays)."""
+    ``"arrays"`` (``size`` state arrays).
+
+    Examples:
+        >>> from mlx_lm.models.cache import RotatingKVCache
+        >>> describe([RotatingKVCache(max_size=16)]).leaves
+        (Leaf(kind='window', window=16, size=0),)
+    """
 
     kind: str
     window: int | None = None
@@ -70,6 +76,12 @@ class Layout:
         kinds: every cache kind the model uses, by name, sorted.
         like: per state leaf (``state_leaves`` order), each state array's ``(shape, dtype)``
             for one row; filled in by the engine's probe (``with_states``).
+
+    Examples:
+        >>> from mlx_lm.models.cache import ArraysCache, KVCache
+        >>> layout = describe([ArraysCache(2), KVCache()])
+        >>> layout.kv_leaves, layout.state_leaves, layout.windows
+        ((1,), (0,), ())
     """
 
     entries: tuple[Leaf | tuple[Leaf, ...], ...]
@@ -130,7 +142,13 @@ def _leaf(cache: Any, bad: list[str], kinds: set[str]) -> Leaf | tuple[Leaf, ...
 
 
 def describe(caches: Sequence[Any]) -> Layout:
-    """The layout of a model's own caches (``make_prompt_cache(model)``)."""
+    """The layout of a model's own caches (``make_prompt_cache(model)``).
+
+    Examples:
+        >>> from mlx_lm.models.cache import ChunkedKVCache, KVCache
+        >>> describe([KVCache(), ChunkedKVCache(8)]).unsupported
+        ('ChunkedKVCache',)
+    """
     bad: list[str] = []
     kinds: set[str] = set()
     entries = tuple(_leaf(c, bad, kinds) for c in caches)
@@ -172,7 +190,14 @@ def build(layout: Layout, num_rows: int = 0, leaf_caches: Sequence[Any] | None =
 
 
 def leaves(caches: Sequence[Any]) -> list[Any]:
-    """The leaf caches of ``caches`` (``CacheList`` members in order), as ``Layout.leaves``."""
+    """The leaf caches of ``caches`` (``CacheList`` members in order), as ``Layout.leaves``.
+
+    Examples:
+        >>> from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+        >>> caches = build(describe([CacheList(ArraysCache(2), KVCache()), KVCache()]), 1)
+        >>> [type(c).__name__ for c in leaves(caches)]
+        ['RaggedArraysCache', 'RaggedKVCache', 'RaggedKVCache']
+    """
     out: list[Any] = []
     for c in caches:
         out.extend(c.caches if isinstance(c, CacheList) else (c,))

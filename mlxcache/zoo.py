@@ -67,6 +67,7 @@ __all__ = [
     "make",
     "reference_generate",
     "reference_generate_chunked",
+    "support_table",
 ]
 
 VOCAB = 128  # every family's vocabulary size
@@ -517,3 +518,33 @@ def reference_generate_chunked(
         tokens = [token.item()]
         out.append(tokens[0])
     return out
+
+
+def support_table() -> list[tuple[str, str, str, str]]:
+    """What ``mlxcache.Engine`` does with each family of ``FAMILIES``, found by building
+    each one: ``(family, cache kinds, reuse, batching)``, the rows of the support table in
+    the README (a test keeps the two equal). "reuse" and "batching" are "yes" or what the
+    engine's ``ReuseDisabledWarning`` names.
+
+    Example:
+        >>> [row for row in support_table() if row[0] == "gemma3_text"]
+        [('gemma3_text', 'KVCache, RotatingKVCache', 'yes', 'yes')]
+    """
+    import warnings
+
+    from mlxcache.engine import Engine, ReuseDisabledWarning
+
+    rows = []
+    for family in FAMILIES:
+        model = make(family)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ReuseDisabledWarning)
+            engine = Engine(model, num_slots=64, num_snapshots=4)
+        said = " ".join(str(w.message).removeprefix("mlxcache: ") for w in caught)
+        rows.append((
+            family,
+            ", ".join(cache_kinds(model)),
+            "yes" if engine.reuse else f"no ({said})",
+            "yes" if engine.batched else "no, one request per forward",
+        ))
+    return rows

@@ -31,9 +31,11 @@ MLXCACHE_API = [
     "mlxcache.pool",
     "mlxcache.radix",
     "mlxcache.cache",
+    "mlxcache.layers",
     "mlxcache.engine",
     "mlxcache.sampling",
     "mlxcache.testing",
+    "mlxcache.zoo",
 ]
 SERVECORE_API = [
     "servecore.sampling",
@@ -42,8 +44,10 @@ SERVECORE_API = [
     "servecore.memory",
     "servecore.validate",
     "servecore.radix",
+    "servecore.snapshots",
 ]
-NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.engine", "mlxcache.sampling"}
+NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",
+             "mlxcache.sampling", "mlxcache.zoo"}
 
 
 def mlxcache_params(names):

@@ -138,3 +138,35 @@ def test_seeded_sampling_with_reuse_matches_serving_without(family):
     assert e.generate(prompts, **kw) == want
     assert e.generate(prompts, **kw) == want  # all hits now
     assert e.stats.hit_rate > 0.4
+
+
+def test_a_long_session_stays_within_the_configured_memory():
+    """Many sessions of many turns through a small pool: the pools never grow (they are fixed
+    arrays), the tree never holds more than they have, and both evict to make room."""
+    family = "qwen3_next"
+    e = engine(family, num_slots=120, num_snapshots=10)
+    budget = e.num_slots * e._pool.bytes_per_slot + e.num_snapshots * e.snapshot_bytes
+    assert e.cache_bytes == budget
+    for session in range(3):
+        turn = tokens(70 + session, 15)
+        for k in range(4):
+            (out,) = e.generate([turn], max_tokens=MAX)
+            if k == 3:
+                assert out == ref(family, turn)
+            assert e.cache_bytes == budget
+            assert e.tree.total_size <= e.num_slots - 1
+            assert e.tree.num_states <= e.num_snapshots - 1
+            turn = turn + out + tokens(80 + 4 * session + k, 6)
+    assert e.stats.token_evictions > 0 and e.stats.state_evictions > 0
+    assert e.stats.hit_rate > 0.3
+
+
+def test_snapshots_take_a_quarter_of_an_automatic_budget(monkeypatch):
+    import mlxcache.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_memory_budget", lambda: (64 << 20, "test"))
+    e = Engine(model_of("qwen3_next"), mem_fraction=0.5)
+    kv_bytes = e.num_slots * e._pool.bytes_per_slot
+    snap_bytes = e.num_snapshots * e.snapshot_bytes
+    assert kv_bytes + snap_bytes <= 32 << 20
+    assert 0.2 < snap_bytes / (kv_bytes + snap_bytes) < 0.3
