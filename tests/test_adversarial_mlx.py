@@ -36,7 +36,8 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import llama, mamba  # noqa: E402
 
 import mlxcache.engine as engine_module  # noqa: E402
-from mlxcache.cache import RaggedKVCache  # noqa: E402
+from mlxcache import zoo  # noqa: E402
+from mlxcache.cache import RaggedArraysCache, RaggedKVCache  # noqa: E402
 from mlxcache.engine import Engine  # noqa: E402
 from mlxcache.pool import PoolExhausted, get_kv, init_pool, set_kv  # noqa: E402
 from mlxcache.radix import RadixCache  # noqa: E402
@@ -68,7 +69,13 @@ MODELS = {
         llama, **LLAMA, rope_scaling={"type": "dynamic", "factor": 2.0},
         max_position_embeddings=64,
     ),
-    # not plain KV: mlx-lm's own caches, no reuse, one request per forward
+    # hybrid: KV pool and state snapshots (zoo models: vocabulary 128, prompts use < 64)
+    "hybrid": lambda: zoo.make("qwen3_next"),
+    # hybrid whose SSM takes no lengths: prefill forwards cut so no row is padded part-way
+    "nemotron": lambda: zoo.make("nemotron_h"),
+    # sliding window (8) shorter than prompt + answer
+    "sliding": lambda: zoo.make("gemma3_text"),
+    # no attention layer: no reuse
     "mamba": lambda: _build(
         mamba, model_type="mamba", vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
         state_size=4, num_hidden_layers=1, conv_kernel=4, use_bias=False, use_conv_bias=True,
@@ -122,6 +129,10 @@ def assert_consistent(engine) -> None:
     assert not set(tree) & set(free), "a slot both free and in the tree"
     assert len(free) == len(set(free)) and 0 not in free
     assert engine.num_free_slots + engine.tree.total_size == engine.num_slots - 1, "leaked"
+    if engine.has_states:
+        held, free = [h for _, h in engine.tree.all_states()], engine._state_alloc.free_slots
+        assert len(held) == len(set(held)) and not set(held) & set(free.tolist())
+        assert len(held) + len(free) == engine.num_snapshots - 1, "a snapshot slot leaked"
 
 
 def assert_intact(engine) -> None:
@@ -568,6 +579,8 @@ class _Reentrant(nn.Module):
     def __init__(self, inner):
         super().__init__()
         self.inner, self.layers, self.args = inner, inner.layers, inner.args
+        if hasattr(inner, "make_cache"):  # the model's own caches (hybrid, sliding window)
+            self.make_cache = inner.make_cache
         self.engine = None
 
     def __call__(self, inputs, cache=None):
@@ -612,12 +625,18 @@ _op = st.one_of(
     st.tuples(st.just("reset"),),
 )
 PROGRAMS = st.lists(_op, min_size=3, max_size=16)
+HYBRID_SETUP = dict(model="hybrid", num_slots=20, max_batch_size=3, page_size=1,
+                    prefill_step_size=8, num_snapshots=6, snapshot_interval=2)
 SETUPS = st.sampled_from([
     dict(model="llama", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=8),
     dict(model="llama", num_slots=24, max_batch_size=2, page_size=2, prefill_step_size=64),
     dict(model="llama", num_slots=12, max_batch_size=3, page_size=1, prefill_step_size=4),
     dict(model="ntk", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=64),
     dict(model="mamba", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=64),
+    HYBRID_SETUP,
+    dict(model="nemotron", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=8,
+         num_snapshots=5, snapshot_interval=3),
+    dict(model="sliding", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=8),
 ])  # fmt: skip
 
 
@@ -774,6 +793,8 @@ class _FlakyModel(nn.Module):
     def __init__(self, inner, fault):
         super().__init__()
         self.inner, self.layers, self.args = inner, inner.layers, inner.args
+        if hasattr(inner, "make_cache"):  # the model's own caches (hybrid, sliding window)
+            self.make_cache = inner.make_cache
         self.forward = fault.wrap(lambda inputs, cache: inner(inputs, cache=cache))
 
     def __call__(self, inputs, cache=None):
@@ -784,7 +805,8 @@ class _FlakyModel(nn.Module):
 # (sampling, the pool write, slot allocation, tree insertion, publishing an answer, and the
 # decode caches' row moves).
 TARGETS = ["model", "sample", "set_kv_all_layers", "_alloc_slots", "_insert", "_publish_answer",
-           "add_row", "remove_row"]  # fmt: skip
+           "add_row", "remove_row", "set_states", "_alloc_snapshot", "_add_state"]  # fmt: skip
+STATE_TARGETS = {"set_states", "_alloc_snapshot", "_add_state"}  # served on the hybrid model
 
 
 def _arm(target, fault, model, engine_kwargs, patch):
@@ -795,10 +817,11 @@ def _arm(target, fault, model, engine_kwargs, patch):
         fault.armed = True
         return engine
     engine = make_engine(model, **engine_kwargs)
-    if target in ("sample", "set_kv_all_layers"):
+    if target in ("sample", "set_kv_all_layers", "set_states"):
         patch.setattr(engine_module, target, fault.wrap(getattr(engine_module, target)))
     elif target in ("add_row", "remove_row"):
-        patch.setattr(RaggedKVCache, target, fault.wrap(getattr(RaggedKVCache, target)))
+        for cls in (RaggedKVCache, RaggedArraysCache):
+            patch.setattr(cls, target, fault.wrap(getattr(cls, target)))
     else:
         setattr(engine, target, fault.wrap(getattr(engine, target)))
     return engine
@@ -807,6 +830,7 @@ def _arm(target, fault, model, engine_kwargs, patch):
 FAULT_SETUPS = [
     dict(model="llama", num_slots=20, max_batch_size=3, page_size=1, prefill_step_size=8),
     dict(model="llama", num_slots=12, max_batch_size=3, page_size=1, prefill_step_size=4),
+    HYBRID_SETUP,
 ]
 
 
@@ -828,7 +852,7 @@ def test_a_fault_anywhere_in_a_step_leaves_the_engine_consistent_and_exact(
     target, data, error, setup, program
 ):
     at = data.draw(st.integers(1, 12 if target in FREQUENT else 3), label="at")
-    setup = dict(setup)
+    setup = dict(HYBRID_SETUP if target in STATE_TARGETS else setup)
     model = model_named(setup.pop("model"))
     fault = _Fault(at, error)
     raised: list[BaseException] = []
