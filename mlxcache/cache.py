@@ -133,6 +133,7 @@ class RaggedKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.lengths: list[int] = [0] * num_rows
+        self.starts: list[int] = [0] * num_rows  # each row's first token's position
         self.window = window
 
     @classmethod
@@ -140,7 +141,8 @@ class RaggedKVCache:
         cls, pool: KVPool, layer: int, prefixes: Sequence[Sequence[int]],
         window: int | None = None,
     ) -> RaggedKVCache:
-        """Row ``i`` holds ``layer``'s K/V at slots ``prefixes[i]`` of ``pool`` (lazy gather).
+        """Row ``i`` holds ``layer``'s K/V at slots ``prefixes[i]`` of ``pool`` (lazy gather);
+        with a ``window``, only its last ``window - 1`` tokens, all that the next query sees.
 
         Each prefix is a list of int slot ids (or a NumPy int array), checked like any host
         slots (``mlxcache.pool.host_slots``).
@@ -161,6 +163,9 @@ class RaggedKVCache:
             raise ValueError(f"prefixes must be a list of slot lists, got {prefixes!r:.60}")
         rows = [host_slots(f"prefixes[{i}]", p, pool.num_slots) for i, p in enumerate(prefixes)]
         cache = cls(len(rows), window)
+        if window is not None:  # a sliding layer reads only the last window - 1 tokens
+            cache.starts = [max(0, len(r) - (window - 1)) for r in rows]
+            rows = [r[s:] for r, s in zip(rows, cache.starts, strict=True)]
         widest = max(map(len, rows), default=0)
         if widest == 0:
             return cache
@@ -206,8 +211,11 @@ class RaggedKVCache:
         self,
         keys: Float[mx.array, "1 n_kv_heads T head_dim"],
         values: Float[mx.array, "1 n_kv_heads T head_dim"],
+        start: int = 0,
     ) -> int:
-        """Append a request whose K/V so far are ``(1, n_kv_heads, T, head_dim)``; its row.
+        """Append a request whose K/V so far are ``(1, n_kv_heads, T, head_dim)``, the tokens
+        at positions ``start .. start + T`` (a sliding layer's row need not hold its first
+        tokens); its row.
 
         Examples:
             >>> c = RaggedKVCache()
@@ -227,6 +235,7 @@ class RaggedKVCache:
         self.keys[row : row + 1, :, :t] = keys
         self.values[row : row + 1, :, :t] = values
         self.lengths.append(t)
+        self.starts.append(start)
         return row
 
     def remove_row(self, row: int) -> None:
@@ -252,7 +261,9 @@ class RaggedKVCache:
             self.keys[row : row + 1, :, :t] = k
             self.values[row : row + 1, :, :t] = v
             self.lengths[row] = t
+            self.starts[row] = self.starts[last]
         self.lengths.pop()
+        self.starts.pop()
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set each row's length to ``lengths[i]`` (at most its current one): after a padded
@@ -271,8 +282,13 @@ class RaggedKVCache:
             raise ValueError(f"truncate to {list(lengths)} from lengths {self.lengths}")
         self.lengths = list(lengths)
 
-    def row(self, row: int, start: int = 0) -> tuple[mx.array, mx.array]:
-        """Row ``row``'s keys and values from token ``start`` on, ``(1, H, len - start, D)``.
+    def end(self, row: int) -> int:
+        """Row ``row``'s position after its last token (its request's length so far)."""
+        return self.starts[row] + self.lengths[row]
+
+    def row(self, row: int, start: int | None = None) -> tuple[mx.array, mx.array]:
+        """Row ``row``'s keys and values from position ``start`` on (default: all it holds,
+        from ``starts[row]``), ``(1, H, end - start, D)``.
 
         Examples:
             >>> c = RaggedKVCache()
@@ -281,7 +297,10 @@ class RaggedKVCache:
             (1, 2, 2, 4)
         """
         t = self.lengths[row]
-        return self.keys[row : row + 1, :, start:t], self.values[row : row + 1, :, start:t]
+        first = 0 if start is None else start - self.starts[row]
+        if first < 0:
+            raise ValueError(f"row {row} holds positions from {self.starts[row]}, not {start}")
+        return self.keys[row : row + 1, :, first:t], self.values[row : row + 1, :, first:t]
 
     # ------------------------------------------------------------ mlx-lm protocol ----
 
@@ -290,10 +309,12 @@ class RaggedKVCache:
 
     @property
     def offset(self) -> int | mx.array:
-        """Tokens held per row: an ``int`` when all rows agree, else ``mx.array`` ``(B,)``."""
-        if self._uniform():
-            return self.lengths[0] if self.lengths else 0
-        return mx.array(self.lengths, dtype=mx.int32)
+        """Each row's position (``starts + lengths``): an ``int`` when all rows agree, else
+        ``mx.array`` ``(B,)``. (Masks and writes work in buffer positions, ``lengths``.)"""
+        ends = [s + n for s, n in zip(self.starts, self.lengths, strict=True)]
+        if all(e == ends[0] for e in ends):
+            return ends[0] if ends else 0
+        return mx.array(ends, dtype=mx.int32)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -323,7 +344,7 @@ class RaggedKVCache:
         """
         window = window_size or self.window
         if self._uniform():
-            offset = self.offset
+            offset = self.lengths[0] if self.lengths else 0  # in buffer positions
             if window is None or offset + N <= window:
                 if N == 1:
                     return None

@@ -277,13 +277,20 @@ def auto_num_slots(
     return max(2, min(max_slots, budget // bytes_per_slot)), budget, source
 
 
-def _join_rows(dst: list[Any], src: list[Any], row: int) -> None:
-    """Append row ``row`` of the engine caches ``src`` to the engine caches ``dst``."""
+def _join_rows(dst: list[Any], src: list[Any], row: int, slack: int = 0) -> None:
+    """Append row ``row`` of the engine caches ``src`` to the engine caches ``dst``; a
+    sliding layer keeps only its last ``window - 1 + slack`` tokens (what its next query sees,
+    and ``slack`` more)."""
     for d, c in zip(leaves(dst), leaves(src), strict=True):
         if isinstance(c, RaggedArraysCache):
             d.add_row(c.row(row))
-        else:
-            d.add_row(*c.row(row))
+            continue
+        k, v = c.row(row)
+        start, n = c.starts[row], k.shape[2]
+        if c.window is not None and n > c.window - 1 + slack:
+            drop = n - (c.window - 1 + slack)
+            k, v, start = k[:, :, drop:], v[:, :, drop:], start + drop
+        d.add_row(k, v, start)
 
 
 def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:
@@ -1290,7 +1297,7 @@ class Engine:
             else:
                 group = _Group(build(self.layout, 0))
                 self._groups.append(group)
-            _join_rows(group.caches, caches, row)
+            _join_rows(group.caches, caches, row, slack=self.page_size)
         group.add(req)
         req.group, req.state = group, "running"
 
@@ -1357,7 +1364,7 @@ class Engine:
         models also snapshot the state there, for the next turn of a conversation."""
         flat = leaves(group.caches)
         kv = [flat[i] for i in self.layout.kv_leaves]
-        ran = kv[0].lengths[row]
+        ran = kv[0].end(row)
         seq = (req.tokens + req.output)[:ran]
         total = len(seq) - len(seq) % self.page_size
         start = len(req.tree_slots)

@@ -18,9 +18,15 @@ the model's cache   the engine's                       what the prefix cache kee
 ``CacheList``       ``CacheList`` of the above         each member as above
 ==================  =================================  =====================================
 
-A sliding-window layer's cache holds every row's whole history (the mask bounds what each
-query reads to the window), so a restore gives attention exactly the keys the model's own
-rotating cache would hold, whatever the prefix length. A ``RotatingKVCache`` with ``keep``
+Memory of a sliding-window layer, and how it is bounded: its K/V sit in the token pool per
+token, like a full layer's (that is what lets a prefix of any length restore, past the window
+too), so the pool's bound is its fixed size (``num_slots``, from the memory budget), shared
+with every other layer; nothing grows past it. What a request holds beyond the pool is bounded
+by the window: a restore gathers only the prefix's last ``window - 1`` tokens (all that its
+next query sees), and a request joining the decode batch keeps only its last ``window - 1``
+tokens (plus a page) and those it generates. Each row records the position of its first token
+(``RaggedKVCache.starts``), and a per-row window mask gives attention exactly the keys the
+model's own rotating cache would hold. A ``RotatingKVCache`` with ``keep``
 (sink) tokens is not one of these: mlx-lm's own rotation of kept tokens is not expressible as a
 window mask, so it is reported unsupported rather than served with different attention.
 

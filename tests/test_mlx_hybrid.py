@@ -170,3 +170,28 @@ def test_snapshots_take_a_quarter_of_an_automatic_budget(monkeypatch):
     snap_bytes = e.num_snapshots * e.snapshot_bytes
     assert kv_bytes + snap_bytes <= 32 << 20
     assert 0.2 < snap_bytes / (kv_bytes + snap_bytes) < 0.3
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_a_sliding_layer_holds_only_its_window(family):
+    """A restored or running request keeps the last window - 1 tokens of a sliding layer (and
+    what it generates); full layers keep everything."""
+    from mlxcache.layers import leaves
+
+    e = engine(family)
+    window = e.layout.windows[0]
+    p = tokens(90, 37)
+    e.generate([p], max_tokens=2)
+    stream = e.stream([p + tokens(91, 4)], max_tokens=4)
+    got = [next(stream)[1], next(stream)[1]]
+    caches = leaves(e._batch.caches)
+    ran = max(c.end(0) for c in caches)  # the prompt and the tokens decoded so far
+    assert ran > len(p) + 4
+    for leaf, c in zip(e.layout.leaves, caches, strict=True):
+        assert c.end(0) == ran
+        if leaf.kind == "window":
+            assert c.lengths[0] <= window - 1 + e.page_size + (ran - len(p) - 4)
+        else:
+            assert c.lengths[0] == ran
+    got += [t for _, t in stream]
+    assert got == ref(family, p + tokens(91, 4), 4)
