@@ -39,7 +39,7 @@ The oracle is ``reference_generate``: mlx-lm greedy decoding with the model's ow
 ``mlx_lm.generate.generate_step`` does with ``prefill_step_size=chunk``; in float32 both
 give the same tokens for every family here.
 
-Example:
+Examples:
     >>> model = make("qwen3_next")
     >>> cache_kinds(model)
     ('ArraysCache', 'KVCache')
@@ -375,7 +375,7 @@ def make(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     Raises:
         KeyError: ``family`` is not in ``FAMILIES``.
 
-    Example:
+    Examples:
         >>> model = make("gemma3_text", seed=1)
         >>> model.model_type, model.args.sliding_window
         ('gemma3_text', 8)
@@ -427,7 +427,7 @@ def cache_kinds(model: nn.Module) -> tuple[str, ...]:
     A ``CacheList`` (one layer holding several caches, as in ``falcon_h1``) counts as its
     members: ``CacheList(ArraysCache, KVCache)`` gives ``ArraysCache`` and ``KVCache``.
 
-    Example:
+    Examples:
         >>> cache_kinds(make("gpt_oss"))
         ('KVCache', 'RotatingKVCache')
         >>> cache_kinds(make("falcon_h1"))
@@ -458,7 +458,7 @@ def reference_generate(model: nn.Module, prompt: Sequence[int], max_tokens: int)
     Returns:
         ``max_tokens`` generated token ids (the prompt not included).
 
-    Example:
+    Examples:
         >>> model = make("llama")
         >>> out = reference_generate(model, [1, 2, 3, 4], max_tokens=3)
         >>> len(out), out == reference_generate(model, [1, 2, 3, 4], max_tokens=3)
@@ -489,7 +489,7 @@ def reference_generate_chunked(
     Raises:
         ValueError: the prompt is empty, or ``chunk`` is below 1.
 
-    Example:
+    Examples:
         >>> model = make("lfm2")
         >>> prompt = list(range(1, 31))
         >>> reference_generate_chunked(model, prompt, 5, chunk=7) == reference_generate(
@@ -526,7 +526,7 @@ def support_table() -> list[tuple[str, str, str, str]]:
     the README (a test keeps the two equal). "reuse" and "batching" are "yes" or what the
     engine's ``ReuseDisabledWarning`` names.
 
-    Example:
+    Examples:
         >>> [row for row in support_table() if row[0] == "gemma3_text"]
         [('gemma3_text', 'KVCache, RotatingKVCache', 'yes', 'yes')]
     """
