@@ -11,6 +11,7 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 * ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
 * ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,
   stop ids, a tokenizer's EOS ids) that name the bad value.
+* ``servecore.testing``: a real Hugging Face tokenizer small enough to reason about.
 
 >>> import servecore
 >>> servecore.SamplingParams(temperature=0.7, top_p=0.9, seed=1)
