@@ -11,6 +11,8 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 * ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
 * ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,
   stop ids, a tokenizer's EOS ids) that name the bad value.
+* ``servecore.prompts``: what a prompt is (token ids, text or a chat) and how it becomes token
+  ids, for both engines; text back out; a checkpoint directory's tokenizer.
 * ``servecore.testing``: a real Hugging Face tokenizer small enough to reason about.
 
 >>> import servecore

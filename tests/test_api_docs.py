@@ -45,6 +45,7 @@ SERVECORE_API = [
     "servecore.validate",
     "servecore.radix",
     "servecore.snapshots",
+    "servecore.prompts",
     "servecore.testing",
 ]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",
