@@ -13,6 +13,7 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
   stop ids, a tokenizer's EOS ids) that name the bad value.
 * ``servecore.prompts``: what a prompt is (token ids, text or a chat) and how it becomes token
   ids, for both engines; text back out; a checkpoint directory's tokenizer.
+* ``servecore.progress``: the tqdm bar of long work, quiet when stderr is not a terminal.
 * ``servecore.testing``: a real Hugging Face tokenizer small enough to reason about.
 
 >>> import servecore

@@ -46,6 +46,7 @@ SERVECORE_API = [
     "servecore.radix",
     "servecore.snapshots",
     "servecore.prompts",
+    "servecore.progress",
     "servecore.testing",
 ]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",
