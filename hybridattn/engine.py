@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -62,6 +61,7 @@ from hybridattn.scheduler import (
 )
 from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
 from servecore import memory as _memory
+from servecore.progress import progress_bar
 from servecore.sampling import SamplingParams
 from servecore.stats import ServingStats
 from servecore.validate import check_int, check_real, prompt_list, stop_ids, token_ids
@@ -815,13 +815,18 @@ class Engine:
     # convenience
     # ---------------------------------------------------------------------------------------
 
-    def warmup(self) -> None:
+    def warmup(self, progress: bool = False) -> None:
         """Compile the smallest buckets (one prefill step, one decode step) by serving a
         one-token request, then reset the throughput counters (compilations are kept). With
-        one bucket per dimension that is every compilation the engine will need."""
+        one bucket per dimension that is every compilation the engine will need.
+        ``progress`` shows the two steps as a tqdm bar on stderr when it is a terminal."""
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine")
-        self.generate([[0]], 2)
+        with self.stream([[0]], 2, progress=progress) as stream:
+            if stream._bar is not None:
+                stream._bar.set_description("compiling the prefill and decode steps")
+            for _ in stream:
+                pass
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -851,7 +856,8 @@ class Engine:
         before this returns (a ``ValueError`` names the bad prompt, and then nothing is
         queued); the returned ``Stream`` advances the engine as it is iterated. Requests left
         when the consumer stops early (``close()``, ``break``, or dropping the stream) are
-        aborted. ``progress`` draws a bar on stderr."""
+        aborted. ``progress`` draws a tqdm bar of the tokens on stderr when it is a
+        terminal."""
         prompts = prompt_list(prompts)
         check_int("seed", seed, 0)
         with self._lock:
@@ -925,8 +931,11 @@ class Stream(Iterator[tuple[int, int]]):
         self._index = index  # rid -> prompt index
         self._left = set(index)
         self._events: deque = deque()
-        self._progress = progress
-        self._total, self._done = total, 0
+        # tokens of this stream's requests, generated (or given up: a stop token ends a
+        # request early) out of len(index) * max_new_tokens
+        self._total = total
+        self._bar = progress_bar(total=total, unit="tok", desc="generating",
+                                 enabled=progress, leave=False) if progress else None
         for rid in index:
             engine._sinks[rid] = self._events
 
@@ -953,17 +962,16 @@ class Stream(Iterator[tuple[int, int]]):
                         self._left.discard(rid)
                         eng._sinks.pop(rid, None)
                     if tok is not None:
-                        self._done += 1
                         return self._index[rid], tok
                 if not self._left:
                     self._end()
                     raise StopIteration
                 ran = eng._round()
-                if self._progress:
+                if self._bar is not None:
                     left = sum(r.max_new_tokens - len(r.output) for r in
                                (*eng.scheduler.waiting, *eng.scheduler.running)
                                if r.rid in self._left)
-                    _progress(self._total - left, self._total)
+                    self._bar.update(self._total - left - self._bar.n)
                 if not ran and not self._events:  # cannot happen: validation ensures a fit
                     raise RuntimeError(f"the engine has nothing to run but requests "
                                        f"{sorted(self._left)} of this stream are unfinished")
@@ -980,9 +988,9 @@ class Stream(Iterator[tuple[int, int]]):
             self._end()
 
     def _end(self) -> None:
-        if self._progress:
-            self._progress = False
-            print(file=sys.stderr)
+        if self._bar is not None:
+            bar, self._bar = self._bar, None
+            bar.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -1008,9 +1016,3 @@ class Stream(Iterator[tuple[int, int]]):
             eng._orphans.extend(self._left)
         except Exception:  # interpreter shutdown
             pass
-
-
-def _progress(done: int, total: int, width: int = 40) -> None:
-    frac = done / total if total else 1.0
-    bar = "#" * int(frac * width)
-    print(f"\r[{bar:<{width}}] {done}/{total} tokens", end="", file=sys.stderr, flush=True)
