@@ -43,6 +43,7 @@ from safetensors.numpy import save_file
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.ops import kda_chunked, kda_gate, l2norm, short_conv
+from servecore.progress import progress_bar
 
 Params = dict
 
@@ -825,17 +826,22 @@ def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
 
 
 def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinearConfig,
-              dtype, source: str) -> Params:
-    """Check the tensors ``found`` and read them (``get(name in the file)``) into params."""
+              dtype, source: str, progress: bool = False) -> Params:
+    """Check the tensors ``found`` and read them (``get(name in the file)``) into params;
+    ``progress``: a bar of the tensors read."""
     dt = _float_dtype(dtype, "dtype")
     _check_tensors(found, names, config, source)
     expected = _expected_tensors(config)
+    bar = progress_bar(total=len(expected), unit="tensor", desc=f"reading {source}",
+                       enabled=progress, leave=False)
 
     def fetch(name):
         a = np.asarray(get(names[name])).reshape(expected[name])
+        bar.update(1)
         return a.astype(np.float32 if _keeps_f32(name) else dt, copy=False)
 
-    return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
+    with bar:
+        return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
 
 
 def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
@@ -879,7 +885,8 @@ def _weight_files(path: str) -> tuple[dict[str, str] | None, str]:
                             f"{_INDEX_FILE}")
 
 
-def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearConfig, Params]:
+def load(path: str | os.PathLike[str], dtype=jnp.float32, *,
+         progress: bool = False) -> tuple[KimiLinearConfig, Params]:
     """Read a Hugging Face checkpoint directory: ``(config, params)``.
 
     ``path`` holds ``config.json`` and ``model.safetensors`` or shards listed by
@@ -887,6 +894,7 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
     config before any is read (see ``from_checkpoint`` for the naming, dtypes and
     errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
     but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``.
+    ``progress`` shows the tensors read as a tqdm bar on stderr when it is a terminal.
 
     A round trip through ``save_pretrained``:
 
@@ -942,7 +950,7 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
             dt = sl.get_dtype()
             found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
         params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
-                           dtype, path)
+                           dtype, path, progress)
     return config, params
 
 
