@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     if args.model:
-        config, params = M.load(args.model)
+        config, params = M.load(args.model, progress=True)
         source = f"checkpoint {args.model}"
     else:
         config = demo_config()
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
           f"prefill chunks of {args.chunked_prefill} tokens")
     print(engine.memory)
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(progress=True)
     print(f"compiled the serving step ({engine.stats.num_compilations} compilations) in "
           f"{time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     again = engine.generate(second, args.max_new_tokens)
     hit = engine.stats
     cold = Engine(config, params, prefix_cache=False, **geometry)
-    cold.warmup()
+    cold.warmup(progress=True)
     base = cold.generate(second, args.max_new_tokens)
     print(f"round two, {len(second)} requests sharing prefixes with round one "
           f"({len(follow)} follow-up turns, {len(siblings)} siblings): prefix cache hit rate "
