@@ -1,8 +1,9 @@
 """Benchmarks: ours and an independent anchor side by side, in one run.
 
-    python -m hybridattn.bench kda [--json] [--quick]
-    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
-    python -m hybridattn.bench prefix [--json] [--quick]
+    python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
+    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32] [--plot DIR]
+    python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
+    python -m hybridattn.bench WHAT --from-json FILE --plot DIR   # plot a saved --json run
 
 ``kda``: for ``B=1, H=4, Dk=Dv=128`` and ``T`` in ``{1024, 4096, 16384}``, tokens/s of
 ``kda_chunked`` (chunk sizes 32 and 64), ``kda_recurrent`` and mlx-lm's
@@ -34,7 +35,8 @@ on this machine, so the cache is judged against the measured ideal.
 
 Timings are the best of several rounds after a warm-up, each round visiting every contender in
 turn, so a noisy neighbour slows all of them alike; read the ratios. A tqdm bar on stderr
-follows the work when stderr is a terminal.
+follows the work when stderr is a terminal. ``--plot DIR`` also writes the result as a PNG
+(``hybridattn.bench_plots``), from this run or, with ``--from-json FILE``, from a saved one.
 """
 
 from __future__ import annotations
@@ -636,15 +638,30 @@ def main(argv: list[str] | None = None) -> int:
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
     px.add_argument("--json", action="store_true", help="print JSON instead of a table")
     px.add_argument("--quick", action="store_true", help="one timed round")
+    for sp in (k, sv, px):
+        sp.add_argument("--plot", metavar="DIR",
+                        help="also write the result as a PNG into DIR (matplotlib)")
+        sp.add_argument("--from-json", metavar="FILE",
+                        help="measure nothing: show (table, --json, --plot) a result this "
+                             "command printed with --json")
     args = p.parse_args(argv)
+    table = {"kda": _print_kda, "serve": _print_serve, "prefix": _print_prefix}[args.what]
+    if args.from_json:
+        try:
+            with open(args.from_json) as fh:
+                res = json.load(fh)
+        except (OSError, ValueError) as e:
+            p.error(f"--from-json {args.from_json!r}: {e}")
+        return _emit(res, args.json, table, args.what, args.plot)
     if args.what == "prefix":
-        return _emit(bench_prefix(quick=args.quick, progress=True), args.json, _print_prefix)
+        return _emit(bench_prefix(quick=args.quick, progress=True), args.json, table,
+                     args.what, args.plot)
     if args.what == "serve":
         return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                  repeats=1 if args.quick else 2,
                                  transformers=not args.no_transformers, progress=True),
-                     args.json, _print_serve)
+                     args.json, table, args.what, args.plot)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices
         if devices > 1:
@@ -657,17 +674,23 @@ def main(argv: list[str] | None = None) -> int:
         return _emit(bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
                                chunk_sizes=tuple(args.chunk_sizes), devices=devices,
                                progress=True),
-                     args.json, _print_kda)
+                     args.json, table, args.what, args.plot)
     return 0
 
 
-def _emit(res: dict, as_json: bool, table: Callable[[dict], None]) -> int:
-    """Print a bench result as JSON or as its table."""
+def _emit(res: dict, as_json: bool, table: Callable[[dict], None], what: str,
+          plot_dir: str | None) -> int:
+    """Print a bench result as JSON or as its table; with ``plot_dir``, also write its plot
+    there (the path goes to stderr, so ``--json`` stays parseable)."""
     if as_json:
         json.dump(res, sys.stdout, indent=2)
         print()
     else:
         table(res)
+    if plot_dir:
+        from hybridattn.bench_plots import PLOTS
+
+        print(f"wrote {PLOTS[what](res, plot_dir)}", file=sys.stderr)
     return 0
 
 
