@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m hybridattn.demo
 
-# The tests, every notebook (nbmake) and a strict build of the documentation site
+# The tests and a strict build of the documentation site, which executes every notebook
 # (tests/test_notebooks_and_docs.py), all on two workers.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests --nbmake notebooks
+	$(PY) -m pytest -n 2 -q tests
 
+# site/: every page, the notebooks executed with their plots (mkdocs-jupyter).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
@@ -31,4 +32,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check hybridattn mlxcache servecore tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site
+	rm -rf $(VENV) .pytest_cache .hypothesis site .cache
