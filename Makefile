@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test docs bench bench-plots lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,15 @@ test: $(STAMP)
 # site/: every page, the notebooks executed with their plots (mkdocs-jupyter).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The benchmarks page's plots, from a quick run of each (a few minutes); the full runs are
+# the tables' figures: `python -m hybridattn.bench WHAT --json > FILE`, then
+# `python -m hybridattn.bench WHAT --from-json FILE --plot docs/bench`.
+bench-plots: $(STAMP)
+	$(PY) -m hybridattn.bench kda --quick --json --plot docs/bench > docs/bench/kda.json
+	$(PY) -m hybridattn.bench serve --quick --no-transformers --json --plot docs/bench \
+		> docs/bench/serve.json
+	$(PY) -m hybridattn.bench prefix --quick --json --plot docs/bench > docs/bench/prefix.json
 
 bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda

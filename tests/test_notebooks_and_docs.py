@@ -75,3 +75,7 @@ def test_docs_build_strictly_with_the_executed_notebooks(tmp_path):
         assert figures >= 1, f"{path.name} shows no plot"
         assert len(_IMAGE.findall(page)) >= figures, f"{path.name}: its page lacks its plots"
         assert 'class="jp-OutputArea' in page, f"{path.name}: its page has no outputs"
+    bench = (site / "benchmarks" / "index.html").read_text()
+    for name in ("kda", "serve", "prefix"):
+        assert f'src="../bench/{name}.png"' in bench, f"the benchmarks page lacks {name}.png"
+        assert (site / "bench" / f"{name}.png").stat().st_size > 5000
