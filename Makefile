@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test docs bench bench-plots lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,13 +15,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m hybridattn.demo
 
-# The tests, every notebook (nbmake) and a strict build of the documentation site
+# The tests and a strict build of the documentation site, which executes every notebook
 # (tests/test_notebooks_and_docs.py), all on two workers.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests --nbmake notebooks
+	$(PY) -m pytest -n 2 -q tests
 
+# site/: every page, the notebooks executed with their plots (mkdocs-jupyter).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The benchmarks page's plots, from a quick run of each (a few minutes); the full runs are
+# the tables' figures: `python -m hybridattn.bench WHAT --json > FILE`, then
+# `python -m hybridattn.bench WHAT --from-json FILE --plot docs/bench`.
+bench-plots: $(STAMP)
+	$(PY) -m hybridattn.bench kda --quick --json --plot docs/bench > docs/bench/kda.json
+	$(PY) -m hybridattn.bench serve --quick --no-transformers --json --plot docs/bench \
+		> docs/bench/serve.json
+	$(PY) -m hybridattn.bench prefix --quick --json --plot docs/bench > docs/bench/prefix.json
 
 bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda
@@ -31,4 +41,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check hybridattn mlxcache servecore tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site
+	rm -rf $(VENV) .pytest_cache .hypothesis site .cache

@@ -1,8 +1,9 @@
 """Benchmarks: ours and an independent anchor side by side, in one run.
 
-    python -m hybridattn.bench kda [--json] [--quick]
-    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
-    python -m hybridattn.bench prefix [--json] [--quick]
+    python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
+    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32] [--plot DIR]
+    python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
+    python -m hybridattn.bench WHAT --from-json FILE --plot DIR   # plot a saved --json run
 
 ``kda``: for ``B=1, H=4, Dk=Dv=128`` and ``T`` in ``{1024, 4096, 16384}``, tokens/s of
 ``kda_chunked`` (chunk sizes 32 and 64), ``kda_recurrent`` and mlx-lm's
@@ -33,7 +34,9 @@ parts served alone, with the same batching). Small steps cost more per token tha
 on this machine, so the cache is judged against the measured ideal.
 
 Timings are the best of several rounds after a warm-up, each round visiting every contender in
-turn, so a noisy neighbour slows all of them alike; read the ratios.
+turn, so a noisy neighbour slows all of them alike; read the ratios. A tqdm bar on stderr
+follows the work when stderr is a terminal. ``--plot DIR`` also writes the result as a PNG
+(``hybridattn.bench_plots``), from this run or, with ``--from-json FILE``, from a saved one.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridattn import ops
+from servecore.progress import progress_bar
 
 
 def _interleaved_best(runs: dict[str, Callable[[], object]], rounds: int,
@@ -169,9 +173,11 @@ def _mlx(x, B: int, H: int, D: int):
 
 
 def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
-              chunk_sizes: tuple[int, ...] = (32, 64), devices: int = 1) -> dict:
+              chunk_sizes: tuple[int, ...] = (32, 64), devices: int = 1,
+              progress: bool = False) -> dict:
     """Run the KDA benchmark (see the module docstring); ``devices > 1`` needs that many JAX
-    devices (``main`` sets ``jax_num_cpu_devices`` before JAX starts)."""
+    devices (``main`` sets ``jax_num_cpu_devices`` before JAX starts). ``progress``: a bar of
+    the sequence lengths done."""
     B, H, D = 1, 4, 128
     mesh = None
     if devices > 1:
@@ -191,7 +197,7 @@ def bench_kda(quick: bool = False, mlx_max_t: int = 4096,
         have_mlx = False
 
     rows = []
-    for T in Ts:
+    for T in progress_bar(Ts, desc="bench kda", unit="T", enabled=progress, leave=False):
         x = _inputs(B, T, H, D)
         runs, sync, compile_s = {}, {}, {}
         for C in chunk_sizes:
@@ -389,7 +395,8 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
 
 
 def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 16,
-                repeats: int = 2, transformers: bool = True, config=None) -> dict:
+                repeats: int = 2, transformers: bool = True, config=None,
+                progress: bool = False) -> dict:
     from hybridattn import serve_anchors as A
     from hybridattn.models import kimi_linear as M
 
@@ -402,7 +409,8 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
     reason = A.transformers_unavailable() if transformers else "not requested"
     tf_model = A.transformers_model(config, params) if reason is None else None
     res["transformers"] = reason or "ok"
-    for B in batch_sizes:
+    for B in progress_bar(batch_sizes, desc="bench serve", unit="batch size",
+                          enabled=progress, leave=False):
         prompts = np.random.default_rng(B).integers(1, config.vocab_size, (B, prompt_len))
         row: dict = dict(batch_size=B)
         row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats)
@@ -471,9 +479,10 @@ def _conversations(rng, n: int, turns: int, vocab: int, first: int, msg: int,
     return rounds
 
 
-def bench_prefix(quick: bool = False, repeats: int = 3) -> dict:
+def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False) -> dict:
     """The prefix-cache workloads (see the module docstring): per workload, the engine with
-    and without the cache and the uncached parts served cold, timed in interleaved rounds."""
+    and without the cache and the uncached parts served cold, timed in interleaved rounds.
+    ``progress``: a bar of the workloads done."""
     from hybridattn.demo import demo_config
     from hybridattn.models import kimi_linear as M
 
@@ -509,7 +518,8 @@ def bench_prefix(quick: bool = False, repeats: int = 3) -> dict:
         "a": dict(rounds=shared, uncached=shared_uncached, new_tokens=1, ctx=ctx_a),
         "b": dict(rounds=convs, uncached=conv_uncached, new_tokens=new, ctx=ctx_b),
     }
-    for key, w in work.items():
+    for key, w in progress_bar(work.items(), desc="bench prefix", unit="workload",
+                               total=len(work), enabled=progress, leave=False):
         cache, cold = engines[f"{key}_cache"], engines[f"{key}_cold"]
         runs = {
             "cache": lambda w=w, e=cache: (e.reset_cache(), _serve_rounds(e, w["rounds"],
@@ -628,14 +638,30 @@ def main(argv: list[str] | None = None) -> int:
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
     px.add_argument("--json", action="store_true", help="print JSON instead of a table")
     px.add_argument("--quick", action="store_true", help="one timed round")
+    for sp in (k, sv, px):
+        sp.add_argument("--plot", metavar="DIR",
+                        help="also write the result as a PNG into DIR (matplotlib)")
+        sp.add_argument("--from-json", metavar="FILE",
+                        help="measure nothing: show (table, --json, --plot) a result this "
+                             "command printed with --json")
     args = p.parse_args(argv)
+    table = {"kda": _print_kda, "serve": _print_serve, "prefix": _print_prefix}[args.what]
+    if args.from_json:
+        try:
+            with open(args.from_json) as fh:
+                res = json.load(fh)
+        except (OSError, ValueError) as e:
+            p.error(f"--from-json {args.from_json!r}: {e}")
+        return _emit(res, args.json, table, args.what, args.plot)
     if args.what == "prefix":
-        return _emit(bench_prefix(quick=args.quick), args.json, _print_prefix)
+        return _emit(bench_prefix(quick=args.quick, progress=True), args.json, table,
+                     args.what, args.plot)
     if args.what == "serve":
         return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                  repeats=1 if args.quick else 2,
-                                 transformers=not args.no_transformers), args.json, _print_serve)
+                                 transformers=not args.no_transformers, progress=True),
+                     args.json, table, args.what, args.plot)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices
         if devices > 1:
@@ -646,18 +672,25 @@ def main(argv: list[str] | None = None) -> int:
                                      "JAX_PLATFORMS=cpu")
                 devices = 1
         return _emit(bench_kda(quick=args.quick, mlx_max_t=args.mlx_max_t,
-                               chunk_sizes=tuple(args.chunk_sizes), devices=devices),
-                     args.json, _print_kda)
+                               chunk_sizes=tuple(args.chunk_sizes), devices=devices,
+                               progress=True),
+                     args.json, table, args.what, args.plot)
     return 0
 
 
-def _emit(res: dict, as_json: bool, table: Callable[[dict], None]) -> int:
-    """Print a bench result as JSON or as its table."""
+def _emit(res: dict, as_json: bool, table: Callable[[dict], None], what: str,
+          plot_dir: str | None) -> int:
+    """Print a bench result as JSON or as its table; with ``plot_dir``, also write its plot
+    there (the path goes to stderr, so ``--json`` stays parseable)."""
     if as_json:
         json.dump(res, sys.stdout, indent=2)
         print()
     else:
         table(res)
+    if plot_dir:
+        from hybridattn.bench_plots import PLOTS
+
+        print(f"wrote {PLOTS[what](res, plot_dir)}", file=sys.stderr)
     return 0
 
 

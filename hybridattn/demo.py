@@ -12,13 +12,19 @@ engine's prefix cache and, for comparison, by an engine without one: it prints t
 and the time to first token with and without reuse, and checks those tokens too.
 
 ``--model DIR`` serves a Hugging Face checkpoint directory instead (``config.json`` plus
-``model.safetensors`` or shards); prompts are random token ids, as there is no tokenizer here.
+``model.safetensors`` or shards) on the same random token-id prompts. With ``--prompt TEXT``
+(repeatable) it serves your text instead, through the directory's tokenizer
+(``kimi_linear.load_tokenizer``; as one user message of its chat template when it has one,
+unless ``--ignore-chat-template``), and prints the decoded continuation of each prompt::
+
+    python -m hybridattn.demo --model DIR --prompt "Why is the sky blue?" --max-new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import jax
@@ -28,6 +34,7 @@ import numpy as np
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M
+from servecore.prompts import encode_prompts, has_chat_template
 
 
 def demo_config() -> KimiLinearConfig:
@@ -78,7 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunked-prefill", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the apply-based check")
+    p.add_argument("--prompt", action="append",
+                   help="text to continue with --model's tokenizer (repeat for several); "
+                        "prints the decoded continuations")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="with --prompt: feed the text as is, not as a chat message")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run tokenizer code that ships with the checkpoint (read it first)")
     args = p.parse_args(argv)
+    if args.prompt and not args.model:
+        p.error("--prompt needs --model DIR, a checkpoint with a tokenizer (the built-in "
+                "model has none)")
 
     # compilations are cached on disk: a second run starts at once
     cache = os.environ.get("HYBRIDATTN_JAX_CACHE",
@@ -89,7 +106,20 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     if args.model:
-        config, params = M.load(args.model)
+        tokenizer = None
+        if args.prompt:  # before the weights: a missing tokenizer should not wait for them
+            try:
+                tokenizer = M.load_tokenizer(args.model,
+                                             trust_remote_code=args.trust_remote_code)
+            except (ImportError, ValueError, OSError) as e:
+                raise SystemExit(f"{p.prog}: error: {e}") from None
+            if tokenizer is None:
+                raise SystemExit(f"{p.prog}: error: --model {args.model!r} has no tokenizer "
+                                 "(tokenizer.json, tokenizer_config.json, ...): --prompt "
+                                 "needs one")
+        config, params = M.load(args.model, progress=True)
+        if args.prompt:
+            return _continue(args, config, params, tokenizer, p.prog)
         source = f"checkpoint {args.model}"
     else:
         config = demo_config()
@@ -120,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"prefill chunks of {args.chunked_prefill} tokens")
     print(engine.memory)
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(progress=True)
     print(f"compiled the serving step ({engine.stats.num_compilations} compilations) in "
           f"{time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
@@ -154,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     again = engine.generate(second, args.max_new_tokens)
     hit = engine.stats
     cold = Engine(config, params, prefix_cache=False, **geometry)
-    cold.warmup()
+    cold.warmup(progress=True)
     base = cold.generate(second, args.max_new_tokens)
     print(f"round two, {len(second)} requests sharing prefixes with round one "
           f"({len(follow)} follow-up turns, {len(siblings)} siblings): prefix cache hit rate "
@@ -168,6 +198,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  tokens with the cache equal the tokens without it: {'OK' if same else 'MISMATCH'}")
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0 if ok else 1
+
+
+def _continue(args, config, params, tokenizer, prog: str) -> int:
+    """``--prompt``: serve the prompts' text greedily and print each continuation."""
+    chat = not args.ignore_chat_template and has_chat_template(tokenizer)
+    prompts = [[{"role": "user", "content": t}] if chat else t for t in args.prompt]
+    try:
+        # encoded here (by the engines' own rule) to size the engine to these prompts: one
+        # bucket per dimension, so the warmup compiles all there is (two programs)
+        ids = encode_prompts(prompts, tokenizer, config.vocab_size)
+        R = min(len(ids), args.max_running)
+        ctx = -(-(max(map(len, ids)) + args.max_new_tokens) // 64) * 64
+        engine = Engine(config, params, tokenizer=tokenizer, max_running_requests=R,
+                        max_context_len=ctx, chunked_prefill_size=args.chunked_prefill,
+                        request_buckets=(R,), token_buckets=(args.chunked_prefill + R,),
+                        kv_buckets=(ctx,))
+        engine.warmup(progress=True)
+        texts = engine.generate(ids, args.max_new_tokens, text=True, progress=True)
+    except ValueError as e:  # a prompt or a size the engine refused, named
+        raise SystemExit(f"{prog}: error: {e}") from None
+    for i, text in enumerate(texts):
+        print(text if len(texts) == 1 else f"[{i}] {text}", flush=True)
+    s = engine.stats
+    print(f"{s.prompt_tokens} prompt tokens; prefill {s.prefill_tok_s:.0f} tok/s, decode "
+          f"{s.decode_tok_s:.0f} tok/s (steps that compiled left out)", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

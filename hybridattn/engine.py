@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -62,9 +61,11 @@ from hybridattn.scheduler import (
 )
 from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
 from servecore import memory as _memory
+from servecore.progress import progress_bar
+from servecore.prompts import Prompt, check_text, decode, encode_prompt
 from servecore.sampling import SamplingParams
 from servecore.stats import ServingStats
-from servecore.validate import check_int, check_real, prompt_list, stop_ids, token_ids
+from servecore.validate import check_int, check_real, eos_token_ids, prompt_list, stop_ids
 
 __all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_bytes"]
 
@@ -329,6 +330,11 @@ class Engine:
             interval of the token pool and four per request row, within a quarter of the
             memory budget left after the parameters and working states (the token pool's
             default gets the rest).
+        tokenizer: optional, the checkpoint's tokenizer (``kimi_linear.load_tokenizer``, or
+            any Hugging Face tokenizer): prompts may then be text or chats (rendered by its
+            chat template), ``generate(..., text=True)`` returns text, and its EOS ids with
+            ``config.eos_token_id`` (an int or a list) end requests unless
+            ``stop_token_ids`` is given.
 
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
@@ -378,6 +384,21 @@ class Engine:
     >>> _ = engine.generate([[1]], 3)
     >>> [tok for r, tok, _ in engine.step() if r == rid] == engine.generate([[7, 8]], 2)[0]
     True
+
+    With a tokenizer, a prompt may be text or a chat, and ``text=True`` decodes the answers
+    (``servecore.testing.word_tokenizer``: the word ``wN`` is token ``N``, and its chat
+    template writes ``<|user|> ... <|assistant|>``, tokens 4 and 5; its EOS id, 1, ends a
+    request by default):
+
+    >>> from servecore.testing import word_tokenizer
+    >>> engine = Engine(cfg, params, max_running_requests=2, max_context_len=16,
+    ...                 num_token_slots=33, tokenizer=word_tokenizer(64))
+    >>> chat = [{"role": "user", "content": "w7 w8"}]
+    >>> engine.generate(["w7 w8", chat], 4) == engine.generate([[7, 8], [4, 7, 8, 5]], 4)
+    True
+    >>> engine.generate([chat], 4, text=True)[0] == engine.tokenizer.decode(
+    ...     engine.generate([[4, 7, 8, 5]], 4)[0])
+    True
     """
 
     def __init__(
@@ -400,6 +421,7 @@ class Engine:
         prefix_cache: bool = True,
         snapshot_interval: int | None = None,
         num_snapshot_slots: int | None = None,
+        tokenizer: Any = None,
     ):
         if not isinstance(config, KimiLinearConfig):
             raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
@@ -432,6 +454,17 @@ class Engine:
         if not floating:
             raise ValueError(f"dtype={dtype!r} must be a floating dtype (the pools hold "
                              "activations)")
+        # With a tokenizer, a request ends by default where the checkpoint says text ends:
+        # the tokenizer's EOS ids and the config's eos_token_id (an int or a list, as
+        # config.json has it, and as transformers' generate and mlx_lm.load read it).
+        # Without one (ids in, ids out) only stop_token_ids end a request early.
+        eos = frozenset()
+        if tokenizer is not None:
+            eos = eos_token_ids(tokenizer) | eos_token_ids(config)
+        if any(t >= config.vocab_size for t in eos):
+            raise ValueError(f"the EOS ids {sorted(eos)} of the tokenizer and config must lie "
+                             f"in the model's vocabulary [0, {config.vocab_size})")
+        self.tokenizer, self._eos = tokenizer, eos
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size
         geometry = dict(max_running_requests=max_running_requests,
@@ -558,7 +591,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: Sequence[int],
+        prompt: Prompt,
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -569,8 +602,11 @@ class Engine:
     ) -> int:
         """Queue a request; returns its id (ids count up from 0). It is admitted by a later
         round once a row and the token slots for its whole life (prompt +
-        ``max_new_tokens - 1``) are free; ``step`` returns its tokens. Generation ends after
-        ``max_new_tokens`` tokens or on a token in ``stop_token_ids`` (which is kept).
+        ``max_new_tokens - 1``) are free; ``step`` returns its tokens. ``prompt`` is token
+        ids, text or a chat (``servecore.prompts``; text and chats need the tokenizer).
+        Generation ends after ``max_new_tokens`` tokens or on a token in ``stop_token_ids``
+        (which is kept; default: the EOS ids of the tokenizer and the config, none without a
+        tokenizer).
         Raises ``ValueError`` naming the bad value, and then nothing has changed."""
         with self._lock:
             req = self._make_request(prompt, max_new_tokens, temperature, top_p, top_k, seed,
@@ -583,12 +619,12 @@ class Engine:
                       stop_token_ids, what: str = "prompt") -> Request:
         """A validated request with the next id (nothing queued)."""
         V = self.config.vocab_size
-        ids = token_ids(what, prompt, V)
+        ids = encode_prompt(what, prompt, self.tokenizer, V)
         check_int("max_new_tokens", max_new_tokens, 1)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed)
-        req = Request(self._next_rid, ids, int(max_new_tokens), sampling,
-                      stop_ids(stop_token_ids, V))
+        stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, V)
+        req = Request(self._next_rid, ids, int(max_new_tokens), sampling, stop)
         if req.need > self.max_context_len:
             raise ValueError(f"{what} of {len(ids)} tokens + max_new_tokens={max_new_tokens} "
                              f"needs a context of {req.need} tokens, more than max_context_len="
@@ -815,13 +851,19 @@ class Engine:
     # convenience
     # ---------------------------------------------------------------------------------------
 
-    def warmup(self) -> None:
+    def warmup(self, progress: bool = False) -> None:
         """Compile the smallest buckets (one prefill step, one decode step) by serving a
         one-token request, then reset the throughput counters (compilations are kept). With
-        one bucket per dimension that is every compilation the engine will need."""
+        one bucket per dimension that is every compilation the engine will need.
+        ``progress`` shows the two steps as a tqdm bar on stderr when it is a terminal."""
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine")
-        self.generate([[0]], 2)
+        # no stop ids: a first token that is the tokenizer's EOS must not skip the decode step
+        with self.stream([[0]], 2, stop_token_ids=[], progress=progress) as stream:
+            if stream._bar is not None:
+                stream._bar.set_description("compiling the prefill and decode steps")
+            for _ in stream:
+                pass
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -836,7 +878,7 @@ class Engine:
 
     def stream(
         self,
-        prompts: Iterable[Sequence[int]],
+        prompts: Iterable[Prompt],
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -847,11 +889,13 @@ class Engine:
         progress: bool = False,
     ) -> Stream:
         """Serve ``prompts`` and yield ``(prompt index, token)`` as tokens are generated.
-        Request ``i`` samples with seed ``seed + i``. All prompts are validated and queued
-        before this returns (a ``ValueError`` names the bad prompt, and then nothing is
-        queued); the returned ``Stream`` advances the engine as it is iterated. Requests left
-        when the consumer stops early (``close()``, ``break``, or dropping the stream) are
-        aborted. ``progress`` draws a bar on stderr."""
+        ``prompts`` is a list of prompts, each token ids, text or a chat (a list of
+        ``{"role", "content"}`` dicts): ``servecore.prompts`` has the rule. Request ``i``
+        samples with seed ``seed + i``. All prompts are validated and queued before this
+        returns (a ``ValueError`` names the bad prompt, and then nothing is queued); the
+        returned ``Stream`` advances the engine as it is iterated. Requests left when the
+        consumer stops early (``close()``, ``break``, or dropping the stream) are aborted.
+        ``progress`` draws a tqdm bar of the tokens on stderr when it is a terminal."""
         prompts = prompt_list(prompts)
         check_int("seed", seed, 0)
         with self._lock:
@@ -870,7 +914,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Iterable[Sequence[int]],
+        prompts: Iterable[Prompt],
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -879,9 +923,13 @@ class Engine:
         seed: int = 0,
         stop_token_ids: int | Sequence[int] | None = None,
         progress: bool = False,
-    ) -> list[list[int]]:
+        text: bool = False,
+    ) -> list[list[int]] | list[str]:
         """Generate for every prompt; returns the new tokens of each (a stop token, when hit,
-        is the last). Same arguments as ``stream``; see the class docstring for an example."""
+        is the last), or with ``text=True`` their text (``servecore.prompts.decode``: the
+        tokenizer's decoding, without the stop token that ended the request). Same arguments
+        as ``stream``; see the class docstring for examples."""
+        check_text(text, self.tokenizer)
         stream = self.stream(prompts, max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
                              progress=progress)
@@ -889,6 +937,10 @@ class Engine:
         with stream:
             for i, tok in stream:
                 outs[i].append(tok)
+        if text:
+            stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids,
+                                                                     self.config.vocab_size)
+            return [decode(self.tokenizer, o, stop) for o in outs]
         return outs
 
 
@@ -925,8 +977,11 @@ class Stream(Iterator[tuple[int, int]]):
         self._index = index  # rid -> prompt index
         self._left = set(index)
         self._events: deque = deque()
-        self._progress = progress
-        self._total, self._done = total, 0
+        # tokens of this stream's requests, generated (or given up: a stop token ends a
+        # request early) out of len(index) * max_new_tokens
+        self._total = total
+        self._bar = progress_bar(total=total, unit="tok", desc="generating",
+                                 enabled=progress, leave=False) if progress else None
         for rid in index:
             engine._sinks[rid] = self._events
 
@@ -953,17 +1008,16 @@ class Stream(Iterator[tuple[int, int]]):
                         self._left.discard(rid)
                         eng._sinks.pop(rid, None)
                     if tok is not None:
-                        self._done += 1
                         return self._index[rid], tok
                 if not self._left:
                     self._end()
                     raise StopIteration
                 ran = eng._round()
-                if self._progress:
+                if self._bar is not None:
                     left = sum(r.max_new_tokens - len(r.output) for r in
                                (*eng.scheduler.waiting, *eng.scheduler.running)
                                if r.rid in self._left)
-                    _progress(self._total - left, self._total)
+                    self._bar.update(self._total - left - self._bar.n)
                 if not ran and not self._events:  # cannot happen: validation ensures a fit
                     raise RuntimeError(f"the engine has nothing to run but requests "
                                        f"{sorted(self._left)} of this stream are unfinished")
@@ -980,9 +1034,9 @@ class Stream(Iterator[tuple[int, int]]):
             self._end()
 
     def _end(self) -> None:
-        if self._progress:
-            self._progress = False
-            print(file=sys.stderr)
+        if self._bar is not None:
+            bar, self._bar = self._bar, None
+            bar.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -1009,8 +1063,3 @@ class Stream(Iterator[tuple[int, int]]):
         except Exception:  # interpreter shutdown
             pass
 
-
-def _progress(done: int, total: int, width: int = 40) -> None:
-    frac = done / total if total else 1.0
-    bar = "#" * int(frac * width)
-    print(f"\r[{bar:<{width}}] {done}/{total} tokens", end="", file=sys.stderr, flush=True)

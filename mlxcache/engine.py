@@ -90,16 +90,15 @@ from mlxcache.pool import (
 from mlxcache.radix import RadixCache, TreeNode
 from mlxcache.sampling import SamplingParams, next_key, sample
 from servecore.memory import memory_budget
+from servecore.prompts import Prompt, check_text, decode, encode_prompt
 from servecore.snapshots import snapshot_points
 from servecore.stats import ServingStats
 from servecore.validate import (
     check_int,
     check_real,
     eos_token_ids,
-    plain_ints,
     prompt_list,
     stop_ids,
-    token_ids,
 )
 
 __all__ = ["Engine", "EngineStats", "ReuseDisabledWarning", "auto_num_slots"]
@@ -462,7 +461,8 @@ class Engine:
     Args:
         model: an mlx-lm model (``model(inputs, cache=...)`` -> logits).
         tokenizer: optional (mlx-lm ``TokenizerWrapper`` or HF tokenizer); needed for text
-            prompts; its EOS ids are the default stop tokens.
+            and chat prompts and for ``generate(..., text=True)``; its EOS ids are the
+            default stop tokens.
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
             ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
@@ -715,15 +715,19 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int] | str],
+        prompts: Sequence[Prompt],
         max_tokens: int | Sequence[int] = 256,
         temperature: float | Sequence[float] = 0.0,
         top_p: float | Sequence[float] = 1.0,
         top_k: int | Sequence[int] = 0,
         seed: int | None | Sequence[int | None] = None,
         stop_token_ids: Sequence[int] | None = None,
-    ) -> list[list[int]]:
-        """Generated token ids per prompt (a stop token, when hit, is the last one).
+        *,
+        text: bool = False,
+    ) -> list[list[int]] | list[str]:
+        """Generated token ids per prompt (a stop token, when hit, is the last one), or with
+        ``text=True`` their text (``servecore.prompts.decode``: the tokenizer's decoding,
+        without the stop token that ended the request).
 
         Every sampling argument is one value for all prompts or a list with one per prompt;
         see ``stream``.
@@ -735,18 +739,33 @@ class Engine:
             ...                        temperature=[0.0, 0.8], seed=[None, 7])
             >>> [len(o) for o in outs]
             [2, 3]
+
+            With a tokenizer, prompts may be text or chats, and the answers text
+            (``servecore.testing.word_tokenizer``: the word ``wN`` is token ``N``):
+
+            >>> from servecore.testing import word_tokenizer
+            >>> engine = Engine(make_model(), word_tokenizer(1000), num_slots=64)
+            >>> chat = [{"role": "user", "content": "w7 w8"}]
+            >>> ids = engine.generate([[4, 7, 8, 5]], max_tokens=3)[0]
+            >>> engine.generate([chat], max_tokens=3)[0] == ids  # <|user|> w7 w8 <|assistant|>
+            True
+            >>> engine.generate([chat], max_tokens=3, text=True)[0] == engine.tokenizer.decode(ids)
+            True
         """
+        check_text(text, self.tokenizer)
         reqs = self._make_requests(
             prompts, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
         )
         out: list[list[int]] = [[] for _ in reqs]
         for i, token in self._run(reqs):
             out[i].append(token)
+        if text:
+            return [decode(self.tokenizer, o, r.stop) for o, r in zip(out, reqs, strict=True)]
         return out
 
     def stream(
         self,
-        prompts: Sequence[Sequence[int] | str],
+        prompts: Sequence[Prompt],
         max_tokens: int | Sequence[int] = 256,
         temperature: float | Sequence[float] = 0.0,
         top_p: float | Sequence[float] = 1.0,
@@ -758,8 +777,10 @@ class Engine:
 
         Args:
             prompts: a list (or any iterable, read once) of prompts, each a list or 1-D int
-                array of token ids, or a string (needs a tokenizer); one prompt alone is
-                ``[prompt]``.
+                array of token ids, a string, or a chat (a list of ``{"role": ..., "content":
+                ...}`` dicts, rendered by the tokenizer's chat template); text and chats need
+                a tokenizer. One prompt alone is ``[prompt]`` (``servecore.prompts`` has the
+                rule).
             max_tokens: >= 1 tokens per request.
             temperature: 0 is greedy.
             top_p: nucleus filter mass (1.0 = off).
@@ -783,17 +804,10 @@ class Engine:
 
     # ------------------------------------------------------------------- validation ----
 
-    def _encode(self, i: int, prompt: Sequence[int] | str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {i} is text but the engine has no tokenizer")
-            bos = getattr(self.tokenizer, "bos_token", None)
-            special = bos is None or not prompt.startswith(bos)
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=special)
-        if plain_ints(prompt, self.vocab_size) and prompt:
-            tokens = list(prompt)  # a copy: the caller may change theirs while this waits
-        else:
-            tokens = token_ids(f"prompt {i}", prompt, self.vocab_size)
+    def _encode(self, i: int, prompt: Prompt) -> list[int]:
+        # ids, text or a chat, by the rule both engines share; a new list (the caller may
+        # change theirs while this waits)
+        tokens = encode_prompt(f"prompt {i}", prompt, self.tokenizer, self.vocab_size)
         if self.reuse and len(tokens) > self.num_slots - 1:
             raise ValueError(
                 f"prompt {i} has {len(tokens)} tokens but the KV pool holds at most "

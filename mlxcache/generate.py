@@ -24,6 +24,7 @@ from mlx_lm import load
 
 from mlxcache.engine import Engine, _check_options
 from mlxcache.pool import PoolExhausted
+from servecore.prompts import has_chat_template
 from servecore.sampling import SamplingParams
 from servecore.validate import check_int, eos_token_ids
 
@@ -59,16 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt text as is")
     p.add_argument("--verbose", action="store_true", help="log the pool size and print stats")
     return p.parse_args(argv)
-
-
-def _encode(tokenizer, text: str, chat: bool) -> list[int] | str:
-    if chat and getattr(tokenizer, "chat_template", None):
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        )
-    return text
 
 
 def _fail(message: str) -> SystemExit:
@@ -113,7 +104,10 @@ def _serve(args: argparse.Namespace, model, tokenizer) -> None:
         mem_fraction=args.mem_fraction,
     )
     eos = eos_token_ids(tokenizer)
-    prompts = [_encode(tokenizer, p, not args.ignore_chat_template) for p in args.prompt]
+    # Each prompt as one user message when the tokenizer has a chat template (the engine
+    # renders it), else as plain text.
+    chat = not args.ignore_chat_template and has_chat_template(tokenizer)
+    prompts = [[{"role": "user", "content": p}] if chat else p for p in args.prompt]
     sampling = dict(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -132,8 +126,7 @@ def _serve(args: argparse.Namespace, model, tokenizer) -> None:
         detok.finalize()
         print(detok.last_segment, flush=True)
     else:
-        for i, tokens in enumerate(engine.generate(prompts, **sampling)):
-            text = tokenizer.decode([t for t in tokens if t not in eos])
+        for i, text in enumerate(engine.generate(prompts, **sampling, text=True)):
             print(f"[{i}] {text}", flush=True)
     if args.verbose:
         s = engine.stats

@@ -22,7 +22,7 @@ ValueError: prompt 0: token 0 is 1.0 (float), not an int
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,8 +153,9 @@ def stop_ids(value: Any, vocab_size: int) -> frozenset[int]:
 
 def prompt_list(prompts: Any) -> list[Any]:
     """``prompts`` read once into a list (so a generator is not read twice), refusing what is
-    not a collection of prompts: a string, a flat list of ints (one prompt: wrap it in a list),
-    ``None`` or an empty collection.
+    not a collection of prompts: a string, a flat list of ints or a list of chat messages (one
+    prompt: wrap it in a list), ``None`` or an empty collection. What a prompt is:
+    ``servecore.prompts``.
 
     >>> prompt_list(p for p in ([1, 2], [3]))
     [[1, 2], [3]]
@@ -176,6 +177,9 @@ wrap one prompt in a list ([prompt])
     if all(is_int(p) for p in out):
         raise ValueError(f"prompts must be a list of prompts, got a flat list of token ids "
                          f"{_short(out)}: wrap one prompt in a list ([prompt])")
+    if all(isinstance(p, Mapping) for p in out):  # a chat is one prompt, not one per message
+        raise ValueError(f"prompts must be a list of prompts, got a list of chat messages "
+                         f"{_short(out)}: wrap one chat in a list ([messages])")
     return out
 
 

@@ -5,6 +5,7 @@
 - jaxtyping + beartype runtime shape checks are switched on for ``hybridattn`` by the
   ``--jaxtyping-packages`` option in ``pyproject.toml``.
 - tests marked ``mlx`` are skipped where mlx / mlx-lm are not installed.
+- the docs build, which executes the notebooks, is collected first (the longest test).
 - JAX sees 4 CPU devices (``jax_num_cpu_devices``), so sharding tests can build a mesh.
 - XLA compilations are cached on disk (``.jax_cache/``, git-ignored), so the xdist workers
   share what one of them compiled (the serving step takes seconds to compile) and a rerun
@@ -49,6 +50,10 @@ HAVE_MLX = (
 
 
 def pytest_collection_modifyitems(config, items):
+    # The docs build (it executes the notebooks: minutes) goes first, so that under xdist
+    # one worker starts it at once and the others share the rest, rather than it starting
+    # last and running alone.
+    items.sort(key=lambda item: "docs_build" not in item.name)
     if HAVE_MLX:
         return
     skip = pytest.mark.skip(reason="mlx / mlx-lm not installed (pip install -e '.[mlx]')")

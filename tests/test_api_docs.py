@@ -45,6 +45,9 @@ SERVECORE_API = [
     "servecore.validate",
     "servecore.radix",
     "servecore.snapshots",
+    "servecore.prompts",
+    "servecore.progress",
+    "servecore.testing",
 ]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",
              "mlxcache.sampling", "mlxcache.zoo"}

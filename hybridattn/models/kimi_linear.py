@@ -43,6 +43,8 @@ from safetensors.numpy import save_file
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.ops import kda_chunked, kda_gate, l2norm, short_conv
+from servecore.progress import progress_bar
+from servecore.prompts import load_tokenizer as _load_tokenizer
 
 Params = dict
 
@@ -825,17 +827,22 @@ def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
 
 
 def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinearConfig,
-              dtype, source: str) -> Params:
-    """Check the tensors ``found`` and read them (``get(name in the file)``) into params."""
+              dtype, source: str, progress: bool = False) -> Params:
+    """Check the tensors ``found`` and read them (``get(name in the file)``) into params;
+    ``progress``: a bar of the tensors read."""
     dt = _float_dtype(dtype, "dtype")
     _check_tensors(found, names, config, source)
     expected = _expected_tensors(config)
+    bar = progress_bar(total=len(expected), unit="tensor", desc=f"reading {source}",
+                       enabled=progress, leave=False)
 
     def fetch(name):
         a = np.asarray(get(names[name])).reshape(expected[name])
+        bar.update(1)
         return a.astype(np.float32 if _keeps_f32(name) else dt, copy=False)
 
-    return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
+    with bar:
+        return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
 
 
 def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
@@ -879,7 +886,8 @@ def _weight_files(path: str) -> tuple[dict[str, str] | None, str]:
                             f"{_INDEX_FILE}")
 
 
-def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearConfig, Params]:
+def load(path: str | os.PathLike[str], dtype=jnp.float32, *,
+         progress: bool = False) -> tuple[KimiLinearConfig, Params]:
     """Read a Hugging Face checkpoint directory: ``(config, params)``.
 
     ``path`` holds ``config.json`` and ``model.safetensors`` or shards listed by
@@ -887,6 +895,8 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
     config before any is read (see ``from_checkpoint`` for the naming, dtypes and
     errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
     but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``.
+    ``progress`` shows the tensors read as a tqdm bar on stderr when it is a terminal. The
+    directory's tokenizer, if it ships one, is ``load_tokenizer``'s.
 
     A round trip through ``save_pretrained``:
 
@@ -942,8 +952,33 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
             dt = sl.get_dtype()
             found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
         params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
-                           dtype, path)
+                           dtype, path, progress)
     return config, params
+
+
+def load_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False):
+    """The tokenizer a checkpoint directory ships, or ``None`` when it has none (serve token
+    ids then): transformers' ``AutoTokenizer`` on the local files
+    (``servecore.prompts.load_tokenizer``). Give it to ``hybridattn.Engine(...,
+    tokenizer=...)`` for text and chat prompts.
+
+    The released Kimi-Linear's tokenizer is code that ships with the checkpoint
+    (``tokenization_kimi.py``, on ``tiktoken``): it loads only with ``trust_remote_code=True``
+    (a ``ValueError`` says so otherwise) and ``pip install tiktoken`` (an ``ImportError``
+    names it otherwise).
+
+    >>> import tempfile
+    >>> from servecore.testing import save_word_tokenizer
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     save_pretrained(init_params(cfg, jax.random.key(0)), cfg, path)
+    ...     ids_only = load_tokenizer(path)      # config.json and weights: no tokenizer
+    ...     save_word_tokenizer(path, 64)        # tokenizer.json, tokenizer_config.json
+    ...     tok = load_tokenizer(path)
+    >>> ids_only is None, tok.encode("w6 w7"), tok.eos_token_id
+    (True, [6, 7], 1)
+    """
+    return _load_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.PathLike[str], *,
@@ -1019,6 +1054,7 @@ def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.Pat
 __all__ = [
     "apply", "check_params", "compute_logits", "dense_mlp", "decoder_layer", "forward",
     "from_checkpoint",
-    "init_params", "kda_attention", "load", "mla_attention", "mla_split", "param_shapes",
+    "init_params", "kda_attention", "load", "load_tokenizer", "mla_attention", "mla_split",
+    "param_shapes",
     "rms_norm", "route", "save_pretrained", "sparse_moe", "to_checkpoint",
 ]

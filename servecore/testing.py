@@ -1,0 +1,119 @@
+"""A real tokenizer small enough to reason about, for testing text and chat prompts.
+
+``word_tokenizer(V)`` is a Hugging Face fast tokenizer (the ``tokenizers`` package's
+``WordLevel`` model behind transformers' ``PreTrainedTokenizerFast``) whose vocabulary is
+numbered so that a test can write the expected ids by hand, independently of the tokenizer:
+
+==========  ===========================================================
+id          token
+==========  ===========================================================
+0, 1, 2     ``<unk>``, ``</s>`` (EOS unless ``eos=`` names a word), ``<s>`` (BOS, added
+            only with ``bos=True``)
+3, 4, 5     ``<|system|>``, ``<|user|>``, ``<|assistant|>``
+6 .. V-1    ``w6`` .. ``w{V-1}``: the word ``wN`` is token ``N``
+==========  ===========================================================
+
+Words are split on whitespace and decoded joined by spaces. Its chat template renders each
+message as ``<|role|> content`` and the generation prompt as ``<|assistant|>``, so
+``[{"role": "user", "content": "w7 w8"}]`` is ``[4, 7, 8, 5]``. ``save_word_tokenizer``
+writes the same tokenizer as files (``tokenizer.json``, ``tokenizer_config.json``) into a
+checkpoint directory, where ``AutoTokenizer`` (and so ``load_tokenizer`` and
+``mlx_lm.load``) reads it. Needs ``tokenizers`` and ``transformers``.
+
+>>> tok = word_tokenizer(16)
+>>> tok.encode("w6 w7"), tok.decode([6, 7]), tok.eos_token_id
+([6, 7], 'w6 w7', 1)
+>>> tok.apply_chat_template([{"role": "user", "content": "w7 w8"}], tokenize=False,
+...                         add_generation_prompt=True)
+'<|user|> w7 w8 <|assistant|>'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "save_word_tokenizer", "word_tokenizer"]
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""The word tokenizer's chat template (Jinja, as Hugging Face tokenizers keep theirs)."""
+
+FIRST_WORD = 6
+"""The id of the first word, ``w6``; lower ids are the special and role tokens."""
+
+_SPECIAL = ["<unk>", "</s>", "<s>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def _backend(vocab_size: int, bos: bool):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if not isinstance(vocab_size, int) or vocab_size <= FIRST_WORD:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int > {FIRST_WORD}")
+    vocab = {t: i for i, t in enumerate(_SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(FIRST_WORD, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 2)])
+    return tok
+
+
+def _eos_token(vocab_size: int, eos: int) -> str:
+    if eos == 1:
+        return "</s>"
+    if not isinstance(eos, int) or not FIRST_WORD <= eos < vocab_size:
+        raise ValueError(f"eos={eos!r} must be 1 (</s>) or a word id in [{FIRST_WORD}, "
+                         f"{vocab_size})")
+    return f"w{eos}"
+
+
+def _config(vocab_size: int, chat: bool, bos: bool, eos: int) -> dict[str, Any]:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+              "eos_token": _eos_token(vocab_size, eos), "bos_token": "<s>" if bos else None}
+    if chat:
+        config["chat_template"] = CHAT_TEMPLATE
+    return config
+
+
+def word_tokenizer(vocab_size: int, *, chat: bool = True, bos: bool = False,
+                   eos: int = 1) -> Any:
+    """The word tokenizer of ``vocab_size`` tokens (see the module docstring), in memory;
+    ``chat=False`` leaves out the chat template, ``bos=True`` adds ``<s>`` (id 2) in front of
+    every encoded text, ``eos=N`` makes the word ``wN`` the EOS token (a test picks a token
+    that a model is known to generate).
+
+    >>> word_tokenizer(16, bos=True).encode("w9")
+    [2, 9]
+    >>> word_tokenizer(16, eos=9).eos_token_id
+    9
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    config = _config(vocab_size, chat, bos, eos)
+    del config["tokenizer_class"]
+    return PreTrainedTokenizerFast(tokenizer_object=_backend(vocab_size, bos), **config)
+
+
+def save_word_tokenizer(path: str | os.PathLike[str], vocab_size: int, *, chat: bool = True,
+                        bos: bool = False, eos: int = 1) -> None:
+    """Write the word tokenizer into the directory ``path`` (created if need be), as a
+    checkpoint ships its tokenizer: ``tokenizer.json`` and ``tokenizer_config.json``. The
+    options are ``word_tokenizer``'s.
+
+    >>> import tempfile
+    >>> from transformers import AutoTokenizer
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     save_word_tokenizer(path, 16)
+    ...     AutoTokenizer.from_pretrained(path).encode("w6 w15")
+    [6, 15]
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    _backend(vocab_size, bos).save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+        json.dump(_config(vocab_size, chat, bos, eos), fh, indent=2)
+        fh.write("\n")
