@@ -22,7 +22,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models import llama, mamba, qwen3, qwen3_next  # noqa: E402
+from mlx_lm.models import llama, mamba, qwen3  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from mlxcache.cache import RaggedKVCache  # noqa: E402
@@ -321,33 +321,9 @@ def test_reuse_disabled_is_exact(llama_model):
 
 
 def _qwen3_next():
-    return _build(
-        qwen3_next,
-        model_type="qwen3_next",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        linear_num_value_heads=2,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=0,
-        num_experts_per_tok=1,
-        decoder_sparse_step=1,
-        shared_expert_intermediate_size=64,
-        mlp_only_layers=[0, 1],
-        moe_intermediate_size=64,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.5,
-        max_position_embeddings=512,
-        head_dim=16,
-        full_attention_interval=2,
-    )
+    from mlxcache import zoo
+
+    return zoo.make("qwen3_next")
 
 
 def _mamba():
