@@ -531,6 +531,3 @@ class RaggedArraysCache(ArraysCache):
         if not 0 <= row < self.rows:
             raise ValueError(f"row must be in [0, {self.rows}), got {row}")
         return [None if c is None else c[row : row + 1] for c in self.cache]
-
-    def truncate(self, lengths: Sequence[int]) -> None:
-        """Nothing to drop: ``prepare(lengths=...)`` kept the padding out of every state."""
