@@ -1165,6 +1165,8 @@ class Engine:
                 break
             batch.append(req)
             self._waiting.popleft()
+            for other in itertools.islice(self._waiting, SHORTEST_FIRST_LOOKAHEAD):
+                other.overtaken += other.seq < req.seq
             req.state = "prefill"
             widest, total = max(widest, todo), total + todo
 
@@ -1178,8 +1180,6 @@ class Engine:
                 for _ in range(min(len(self._waiting), SHORTEST_FIRST_LOOKAHEAD))]
         todo = {id(r): len(r.tokens) - self._match(r.tokens)[2] for r in head}
         order = sorted(head, key=lambda r: (r.overtaken < MAX_OVERTAKEN, todo[id(r)]))
-        for k, req in enumerate(order):  # count who moved ahead of whom
-            req.overtaken += sum(1 for r in order[:k] if r.seq > req.seq)
         self._waiting.extendleft(reversed(order))
 
     def _shares_uncached(self, req: _Request, cached: int, batch: list[_Request]) -> bool:

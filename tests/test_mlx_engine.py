@@ -270,6 +270,44 @@ def test_long_prompts_prefill_in_chunks(llama_model):
     assert_intact(engine)
 
 
+def test_shortest_uncached_first_and_prefill_first(llama_model):
+    """Admission takes the fewest uncached tokens first and keeps prefilling while requests
+    wait: with the prefix cached, three short follow-ups get their first tokens before a long
+    cold prompt that arrived first, and every request's first token comes before any second
+    token. Outputs stay mlx-lm's."""
+    rng = random.Random(21)
+    engine = Engine(llama_model, num_slots=512, prefill_batch_tokens=8)
+    prefix = tokens(rng, 24)
+    engine.generate([prefix], max_tokens=1)
+    long_cold = tokens(rng, 40)
+    prompts = [long_cold] + [prefix + tokens(rng, 2) for _ in range(3)]
+    events = list(engine.stream(prompts, max_tokens=3))
+    firsts = []
+    for i, _ in events:
+        if i not in firsts:
+            firsts.append(i)
+    assert firsts == [1, 2, 3, 0]  # the short ones (3 uncached tokens each) first, in order
+    assert {i for i, _ in events[:4]} == {0, 1, 2, 3}  # no decode before every first token
+    out = [[t for i, t in events if i == k] for k in range(4)]
+    assert out == [reference(llama_model, p, 3) for p in prompts]
+    assert_intact(engine)
+
+
+def test_a_long_request_is_not_overtaken_forever(llama_model, monkeypatch):
+    """A waiting request overtaken MAX_OVERTAKEN times by shorter ones goes next."""
+    import mlxcache.engine as eng
+
+    monkeypatch.setattr(eng, "MAX_OVERTAKEN", 2)
+    rng = random.Random(22)
+    engine = Engine(llama_model, num_slots=512, prefill_batch_tokens=1)
+    prompts = [tokens(rng, 30)] + [tokens(rng, 2) for _ in range(6)]
+    firsts = []
+    for i, _ in engine.stream(prompts, max_tokens=1):
+        firsts.append(i)
+    assert firsts.index(0) == 2  # overtaken by two, then admitted
+    assert_intact(engine)
+
+
 # Shared-prefix workloads drawn as trees (common root, branches, duplicates, prompts that are
 # prefixes of others, any arrival order). Lengths and branch points are multiples of 2: a page
 # of 2 then holds whole prompts, and the model sees fewer distinct input shapes.
@@ -478,6 +516,7 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache_intact(
         ({"num_slots": 64.0}, "num_slots=64.0"),
         ({"max_batch_size": 0}, "max_batch_size=0"),
         ({"prefill_step_size": True}, "prefill_step_size=True"),
+        ({"prefill_batch_tokens": 0}, "prefill_batch_tokens=0"),
         ({"mem_fraction": 1.5}, r"mem_fraction=1.5 must be in \(0, 1\]"),
         ({"mem_fraction": float("nan")}, "mem_fraction=nan must be a finite number"),
         ({"prefix_cache": "no"}, "prefix_cache='no' must be True or False"),
