@@ -58,6 +58,7 @@ from hybridattn.scheduler import (
     Scheduler,
     StepPlan,
     bucket,
+    kv_ladder,
     ladder,
 )
 from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
@@ -313,7 +314,8 @@ class Engine:
         token_buckets: shape buckets of the tokens in a step (default: powers of four from
             16 up to ``chunked_prefill_size + max_running_requests``).
         kv_buckets: shape buckets of the attention width (default: powers of four from 64
-            up to ``max_context_len``).
+            up to 4096, then powers of two up to ``max_context_len``: at long context a
+            width pads by at most 2x, 12 buckets for 1M).
         snapshot_buckets: shape buckets of the state snapshots an extend step takes (default:
             0, then powers of four from 4 up to what a step can take: one per grid interval
             of a prefill chunk and three per request); one bucket means one variant.
@@ -495,7 +497,7 @@ class Engine:
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
         self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))
         self.token_buckets = _buckets("token_buckets", token_buckets, ladder(16, max_t))
-        self.kv_buckets = _buckets("kv_buckets", kv_buckets, ladder(64, max_context_len))
+        self.kv_buckets = _buckets("kv_buckets", kv_buckets, kv_ladder(max_context_len))
         # snapshots one step may take: a grid point per interval of its prompt tokens and one
         # more per request (a chunk rarely starts on the grid), a branch point and the
         # last-but-one prompt token per request
