@@ -248,6 +248,58 @@ class MemoryReport:
                 shapes.req_to_token_pool)),
         )
 
+    @classmethod
+    def by_context_len(cls, config: KimiLinearConfig, context_lens: Sequence[int] = (
+            1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20), *,
+            max_running_requests: int | None = None, dtype=jnp.float32,
+            param_bytes: int | None = None) -> list[MemoryReport]:
+        """What an engine must hold to run ``max_running_requests`` requests of each context
+        length at once (default rows: ``default_max_running_requests``), each with a token
+        pool of exactly that many full contexts and no prefix cache: a report per length,
+        from shapes alone. ``format_table`` prints them. The tiny model keeps 160 B of latent
+        per token, so one 1M context holds 160 MiB of latents, 8 MiB of ``req_to_token`` row
+        and 5 MiB of slot allocator; the 8 default rows need 8x the pool:
+
+        >>> cfg = KimiLinearConfig.tiny()
+        >>> r4k, r1m = MemoryReport.by_context_len(cfg, (4096, 1 << 20), max_running_requests=1)
+        >>> r4k.mla_bytes_per_token, r1m.pool_bytes // (1 << 20), r1m.req_to_token_bytes >> 20
+        (160, 173, 8)
+        >>> [r.max_running_requests for r in MemoryReport.by_context_len(cfg, (4096, 1 << 20))]
+        [32, 8]
+        """
+        out = []
+        for n in context_lens:
+            check_int("context_len", n, 1)
+            R = (default_max_running_requests(n) if max_running_requests is None
+                 else check_int("max_running_requests", max_running_requests, 1))
+            out.append(cls.for_config(config, max_running_requests=R, max_context_len=n,
+                                      num_token_slots=R * n + 1, dtype=dtype,
+                                      param_bytes=param_bytes))
+        return out
+
+    @staticmethod
+    def format_table(reports: Sequence[MemoryReport]) -> str:
+        """A table of reports (``by_context_len``): per context length the request rows, the
+        MLA latents of the token pool, the ``req_to_token`` table, the KDA states of the rows,
+        all pools (allocators included), and the parameters, in MiB.
+
+        >>> cfg = KimiLinearConfig.tiny()
+        >>> print(MemoryReport.format_table(MemoryReport.by_context_len(
+        ...     cfg, (4096, 1 << 20), max_running_requests=1)).splitlines()[0])
+        context | rows | latent MiB | req_to_token MiB | states MiB | pools MiB | params MiB
+        """
+        mib = 1 << 20
+        lines = ["context | rows | latent MiB | req_to_token MiB | states MiB | pools MiB | "
+                 "params MiB"]
+        for r in reports:
+            kv = r.num_token_slots * r.mla_bytes_per_token
+            states = (r.max_running_requests + 1) * r.state_bytes_per_request
+            lines.append(f"{r.max_context_len:>7} | {r.max_running_requests:>4} | "
+                         f"{kv / mib:10.1f} | {r.req_to_token_bytes / mib:16.2f} | "
+                         f"{states / mib:10.2f} | {r.pool_bytes / mib:9.1f} | "
+                         f"{r.param_bytes / mib:10.2f}")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         mib = 1 << 20
         return (
