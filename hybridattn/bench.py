@@ -731,18 +731,19 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
     prefill = dict(steady_s=s.prefill_seconds, steady_tokens=s.prefill_tokens,
                    compile_s=s.compile_seconds, compiled=len(s.compiled_buckets))
     # The MLA backend alone on the prefill's chunks: per width bucket, one chunk's call at
-    # the bucket's widest (the last chunk of that width) times the chunks of that width.
+    # the mean length of that bucket's chunks (a blockwise form skips the blocks past a
+    # request's length, so the bucket's widest chunk would overstate it) times its chunks.
     C = engine.chunked_prefill_size
     row = engine.scheduler.running[0].row
-    widths: dict[int, int] = {}
+    widths: dict[int, list[int]] = {}
     for end in range(C, prompt_len + C, C):
         end = min(end, prompt_len)
-        W = bucket(end, engine.kv_buckets, "width")
-        widths[W] = widths.get(W, 0) + 1
+        widths.setdefault(bucket(end, engine.kv_buckets, "width"), []).append(end)
     mla_prefill = 0.0
-    for W, n in widths.items():
-        seq = min(W, prompt_len)
-        mla_prefill += n * _time_mla(engine, row, seq, min(C, seq), W, False, mla_rounds)
+    for W, ends in widths.items():
+        seq = max(round(sum(ends) / len(ends)), min(C, prompt_len))
+        mla_prefill += len(ends) * _time_mla(engine, row, seq, min(C, seq), W, False,
+                                             mla_rounds)
     for _ in stream:
         pass
     s = engine.stats
