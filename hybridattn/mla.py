@@ -41,19 +41,18 @@ plus the accumulators ``[T + bq, H, r or dv]``: O(tokens in the batch + bq x bk 
 it a multiple of ``W``. ``tests/test_mla_blockwise.py`` checks that on the compiled forward of
 a 64k-wide page table.
 
-Measured on this repo's 2-core x86 CPU (float32, one request, width 16k, ``bk = 512``; ``python
--m hybridattn.mla_bench``, figures in ``docs/benchmarks.md``):
+Measured on a shared 2-core x86 CPU (float32, one request over a 16k cached prefix, blocks and
+query tiles of 512; ``python -m hybridattn.mla_bench forms``, more in ``docs/benchmarks.md``),
+ms per extend, absorbed / decompressed:
 
-=====================================  ====  ==========  ============  =========
-shape                                  Q     absorbed    decompressed  rule says
-=====================================  ====  ==========  ============  =========
-tiny (H=4, dn=dv=16, dr=8, r=32)       1     see docs    see docs      absorbed
-tiny                                   64    see docs    see docs      decompr.
-Kimi-like (H=32, dn=dv=128, dr=64,     1     see docs    see docs      absorbed
-r=512)
-Kimi-like                              64    see docs    see docs      absorbed
-Kimi-like                              2048  see docs    see docs      decompr.
-=====================================  ====  ==========  ============  =========
+- tiny (H=4, dn=dv=16, dr=8, r=32): Q=1 3.5 / 4.7, Q=64 51 / 71, Q=2048 919 / 5,108;
+- Kimi-like (H=32, dn=dv=128, dr=64, r=512): Q=1 59 / 6,133, Q=64 2,500 / 8,328, Q=2048
+  172,918 / 152,115.
+
+On the Kimi-like shape both ran at 10-15 GMAC/s, so the multiply-add count decides; on the
+tiny config's 16-wide heads the decompressed form's head-batched products ran ~10x slower,
+so :func:`prefers_absorbed` sends narrow heads to the absorbed form always. Blocks of 512
+keys by default (a sweep, ``mla_bench blocks``, is still to be run).
 
 No Pallas kernel is dispatched to: JAX's ragged paged attention kernels (TPU) take K/V pages
 with a head axis, not a shared latent; an MLA kernel over this pool's layout is left for later.
@@ -98,15 +97,23 @@ _F32 = jnp.float32
 
 def prefers_absorbed(query_tile: int, *, qk_nope_head_dim: int, qk_rope_head_dim: int,
                      v_head_dim: int, kv_lora_rank: int) -> bool:
-    """Whether a key block is cheaper in absorbed form than decompressed, for ``query_tile``
-    queries per item: ``bq (2r + dr) <= r (dn + dv) + bq (dn + dr + dv)`` multiply-adds per key
-    and head (see the module docstring; the measurements there agree with it).
+    """Whether key blocks run faster in absorbed form than decompressed, for ``query_tile``
+    queries per item. Heads narrower than 64 (``dn`` or ``dv``): absorbed, always; the
+    decompressed form's head-batched products of such heads ran about 10x below the absorbed
+    form's plain ones on this CPU (tiny config: 1.1 vs 10.5 GMAC/s). Otherwise by the
+    multiply-adds per key and head, ``bq (2r + dr) <= r (dn + dv) + bq (dn + dr + dv)``:
+    absorbed up to about 180 queries per tile on a Kimi-like shape (module docstring).
 
     >>> kimi = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
     >>> prefers_absorbed(1, **kimi), prefers_absorbed(64, **kimi), prefers_absorbed(512, **kimi)
     (True, True, False)
+    >>> prefers_absorbed(512, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ...                  kv_lora_rank=32)  # the tiny config
+    True
     """
     dn, dr, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+    if min(dn, dv) < 64:
+        return True
     return query_tile * (2 * r + dr) <= r * (dn + dv) + query_tile * (dn + dr + dv)
 
 

@@ -176,6 +176,8 @@ def test_the_rule_picks_absorbed_for_few_queries_and_decompressed_for_wide_tiles
     kimi = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
     assert mla.prefers_absorbed(1, **kimi) and mla.prefers_absorbed(64, **kimi)
     assert not mla.prefers_absorbed(2048, **kimi)
+    tiny = dict(qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
+    assert mla.prefers_absorbed(2048, **tiny)  # narrow heads: absorbed, measured
 
 
 # --------------------------------------------------------------------------------------------
