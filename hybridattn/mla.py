@@ -76,6 +76,8 @@ Every backend runs the plain JAX loop.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -242,6 +244,8 @@ def _work_list(seq_lens, extend_lens, *, query_tile, num_tiles, block):
     return n.reshape(-1), jnp.cumsum(n.reshape(-1))
 
 
+@functools.partial(jax.jit, static_argnames=("max_extend_len", "scale", "block_size",
+                                             "query_block", "absorbed"))
 def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, extend_lens,
                query_start, *, max_extend_len, scale, block_size, query_block, absorbed):
     """Steps 1-4 of the module docstring; returns ``[T, H, dv]`` float32."""
