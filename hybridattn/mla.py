@@ -17,11 +17,12 @@ and :func:`mla_decode` compute the same thing with workspace independent of ``W`
    ``seq_lens`` (and above the causal diagonal of a tile) are never visited.
 2. **One item.** Slice the tile's ``bq`` queries out of the packed ``[T, H, .]`` inputs
    (``query_start[b] + t bq``), slice ``bk`` slot ids out of the page-table row and gather
-   their latents ``[bk, r]`` / ``[bk, dr]`` from the pool (zeroed where masked, so a stale or
-   sink slot never reaches the output, not even as ``0 * inf``). Scores ``[bq, H, bk]``, masked
+   their latents ``[bk, r]`` / ``[bk, dr]`` from the pool (``c_kv`` zeroed where masked, and
+   masked scores replaced, so a stale or sink slot never reaches the output, not even as
+   ``0 * inf``). Scores ``[bq, H, bk]``, masked
    by ``key < seq_len``, causality and the tile's live rows.
 3. **Exact online softmax.** Per query row and head a running max ``m``, sum ``l`` and output
-   accumulator ``acc`` (packed ``[T + bq, H, .]``, float32): ``m' = max(m, max_k s)``,
+   accumulator ``acc`` (packed head-major, ``[H, T + bq, .]``, float32): ``m' = max(m, max_k s)``,
    ``p = exp(s - m')``, ``l' = l e^(m - m') + sum p``, ``acc' = acc e^(m - m') + p V``. A
    row that has seen no key keeps ``m = -inf`` and shifts by 0 instead, so large logits never
    overflow and fully masked rows end with ``l = 0`` and give zeros, as the dense softmax does.
@@ -41,19 +42,18 @@ plus the accumulators ``[T + bq, H, r or dv]``: O(tokens in the batch + bq x bk 
 it a multiple of ``W``. ``tests/test_mla_blockwise.py`` checks that on the compiled forward of
 a 64k-wide page table.
 
-Measured on this repo's 2-core x86 CPU (float32, one request, width 16k, ``bk = 512``; ``python
--m hybridattn.mla_bench``, figures in ``docs/benchmarks.md``):
+Measured on a shared 2-core x86 CPU (float32, one request over a 16k cached prefix, blocks and
+query tiles of 512; ``python -m hybridattn.mla_bench forms``, more in ``docs/benchmarks.md``),
+ms per extend, absorbed / decompressed:
 
-=====================================  ====  ==========  ============  =========
-shape                                  Q     absorbed    decompressed  rule says
-=====================================  ====  ==========  ============  =========
-tiny (H=4, dn=dv=16, dr=8, r=32)       1     see docs    see docs      absorbed
-tiny                                   64    see docs    see docs      decompr.
-Kimi-like (H=32, dn=dv=128, dr=64,     1     see docs    see docs      absorbed
-r=512)
-Kimi-like                              64    see docs    see docs      absorbed
-Kimi-like                              2048  see docs    see docs      decompr.
-=====================================  ====  ==========  ============  =========
+- tiny (H=4, dn=dv=16, dr=8, r=32): Q=1 3.5 / 4.7, Q=64 51 / 71, Q=2048 919 / 5,108;
+- Kimi-like (H=32, dn=dv=128, dr=64, r=512): Q=1 59 / 6,133, Q=64 2,500 / 8,328, Q=2048
+  172,918 / 152,115.
+
+On the Kimi-like shape both ran at 10-15 GMAC/s, so the multiply-add count decides; on the
+tiny config's 16-wide heads the decompressed form's head-batched products ran ~10x slower,
+so :func:`prefers_absorbed` sends narrow heads to the absorbed form always. Blocks of 512
+keys by default (a sweep, ``mla_bench blocks``, is still to be run).
 
 No Pallas kernel is dispatched to: JAX's ragged paged attention kernels (TPU) take K/V pages
 with a head axis, not a shared latent; an MLA kernel over this pool's layout is left for later.
@@ -77,6 +77,8 @@ Every backend runs the plain JAX loop.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -98,15 +100,23 @@ _F32 = jnp.float32
 
 def prefers_absorbed(query_tile: int, *, qk_nope_head_dim: int, qk_rope_head_dim: int,
                      v_head_dim: int, kv_lora_rank: int) -> bool:
-    """Whether a key block is cheaper in absorbed form than decompressed, for ``query_tile``
-    queries per item: ``bq (2r + dr) <= r (dn + dv) + bq (dn + dr + dv)`` multiply-adds per key
-    and head (see the module docstring; the measurements there agree with it).
+    """Whether key blocks run faster in absorbed form than decompressed, for ``query_tile``
+    queries per item. Heads narrower than 64 (``dn`` or ``dv``): absorbed, always; the
+    decompressed form's head-batched products of such heads ran about 10x below the absorbed
+    form's plain ones on this CPU (tiny config: 1.1 vs 10.5 GMAC/s). Otherwise by the
+    multiply-adds per key and head, ``bq (2r + dr) <= r (dn + dv) + bq (dn + dr + dv)``:
+    absorbed up to about 180 queries per tile on a Kimi-like shape (module docstring).
 
     >>> kimi = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
     >>> prefers_absorbed(1, **kimi), prefers_absorbed(64, **kimi), prefers_absorbed(512, **kimi)
     (True, True, False)
+    >>> prefers_absorbed(512, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ...                  kv_lora_rank=32)  # the tiny config
+    True
     """
     dn, dr, dv, r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+    if min(dn, dv) < 64:
+        return True
     return query_tile * (2 * r + dr) <= r * (dn + dv) + query_tile * (dn + dr + dv)
 
 
@@ -235,6 +245,8 @@ def _work_list(seq_lens, extend_lens, *, query_tile, num_tiles, block):
     return n.reshape(-1), jnp.cumsum(n.reshape(-1))
 
 
+@functools.partial(jax.jit, static_argnames=("max_extend_len", "scale", "block_size",
+                                             "query_block", "absorbed"))
 def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, extend_lens,
                query_start, *, max_extend_len, scale, block_size, query_block, absorbed):
     """Steps 1-4 of the module docstring; returns ``[T, H, dv]`` float32."""
@@ -252,17 +264,21 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
 
     q_pe = q_pe.astype(_F32)
     w_kc, w_vc = w_kc.astype(_F32), w_vc.astype(_F32)
-    if absorbed:  # queries in latent space, once: [T, H, r + dr] against [bk, r + dr] keys
-        q = jnp.concatenate([jnp.einsum("thd,hdr->thr", q_nope.astype(_F32), w_kc), q_pe], -1)
+    # Head-major inside the loop ([H, rows, .]): a tile's queries of all heads are one matrix
+    # [H * bq, .], so the absorbed form's scores and output are plain matrix products and the
+    # decompressed form's batch over heads, with no per-item transposes of scores or queries.
+    if absorbed:  # queries in latent space, once: [H, T, r] and [H, T, dr] against the latents
+        q = jnp.concatenate([jnp.einsum("thd,hdr->htr", q_nope.astype(_F32), w_kc),
+                             q_pe.transpose(1, 0, 2)], -1)
         width = w_kc.shape[2]
     else:
-        q = jnp.concatenate([q_nope.astype(_F32), q_pe], -1)  # [T, H, dn + dr]
+        q = jnp.concatenate([q_nope.astype(_F32), q_pe], -1).transpose(1, 0, 2)
         width = w_vc.shape[1]
-    q = jnp.concatenate([q, jnp.zeros((bq,) + q.shape[1:], _F32)])  # a tile never clamps
-    dn = q_nope.shape[2]
-    m0 = jnp.full((T + bq, H), -jnp.inf, _F32)
-    d0 = jnp.zeros((T + bq, H), _F32)
-    acc0 = jnp.zeros((T + bq, H, width), _F32)
+    q = jnp.concatenate([q, jnp.zeros((H, bq, q.shape[2]), _F32)], 1)  # a tile never clamps
+    dn = w_kc.shape[2] if absorbed else q_nope.shape[2]  # q[..., :dn] meets c_kv or k_nope
+    m0 = jnp.full((H, T + bq), -jnp.inf, _F32)
+    d0 = jnp.zeros((H, T + bq), _F32)
+    acc0 = jnp.zeros((H, T + bq, width), _F32)
     i_q = jnp.arange(bq, dtype=jnp.int32)
     i_k = jnp.arange(bk, dtype=jnp.int32)
 
@@ -280,36 +296,39 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
         slots = jax.lax.dynamic_slice(page_table, (b, start), (1, bk))[0].astype(jnp.int32)
         kpos = start + i_k
         live_k = (kpos >= first) & (kpos < seq_lens[b])  # [bk]
+        # c_kv is zeroed where masked (it meets p in the output); k_pe only feeds scores,
+        # which the mask replaces, so a stale slot there never reaches anything
         ckv = jnp.where(live_k[:, None], c_kv[slots].astype(_F32), 0.0)
-        kpe = jnp.where(live_k[:, None], k_pe[slots].astype(_F32), 0.0)
-        qt = jax.lax.dynamic_slice_in_dim(q, row0, bq)  # [bq, H, .]
-        if absorbed:
-            keys, vals = jnp.concatenate([ckv, kpe], -1), ckv
-            s = jnp.einsum("qhc,kc->qhk", qt, keys)
+        kpe = k_pe[slots].astype(_F32)
+        qt = jax.lax.dynamic_slice_in_dim(q, row0, bq, axis=1)  # [H, bq, .]
+        if absorbed:  # two products, not one against a concatenated key block (a copy)
+            vals = ckv
+            s = jnp.einsum("hqc,kc->hqk", qt[..., :dn], ckv) + jnp.einsum(
+                "hqd,kd->hqk", qt[..., dn:], kpe)
         else:
-            k_nope = jnp.einsum("kr,hdr->khd", ckv, w_kc)
-            vals = jnp.einsum("kr,hdr->khd", ckv, w_vc)
-            s = jnp.einsum("qhd,khd->qhk", qt[..., :dn], k_nope) + jnp.einsum(
-                "qhd,kd->qhk", qt[..., dn:], kpe)
-        mask = (live_k[None, :] & (kpos[None, :] <= qpos[:, None]) & live_q[:, None])[:, None]
-        s = jnp.where(mask, s * scale, -jnp.inf)  # [bq, H, bk]
+            k_nope = jnp.einsum("kr,hdr->hkd", ckv, w_kc)
+            vals = jnp.einsum("kr,hdr->hkd", ckv, w_vc)
+            s = jnp.einsum("hqd,hkd->hqk", qt[..., :dn], k_nope) + jnp.einsum(
+                "hqd,kd->hqk", qt[..., dn:], kpe)
+        mask = (live_k[None, :] & (kpos[None, :] <= qpos[:, None]) & live_q[:, None])[None]
+        s = jnp.where(mask, s * scale, -jnp.inf)  # [H, bq, bk]
         # 3. The online softmax update of the tile's rows.
-        m_old = jax.lax.dynamic_slice_in_dim(mx, row0, bq)
-        d_old = jax.lax.dynamic_slice_in_dim(den, row0, bq)
-        a_old = jax.lax.dynamic_slice_in_dim(acc, row0, bq)
+        m_old = jax.lax.dynamic_slice_in_dim(mx, row0, bq, axis=1)
+        d_old = jax.lax.dynamic_slice_in_dim(den, row0, bq, axis=1)
+        a_old = jax.lax.dynamic_slice_in_dim(acc, row0, bq, axis=1)
         m_new = jnp.maximum(m_old, s.max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: shift by 0
         p = jnp.where(mask, jnp.exp(s - shift[..., None]), 0.0)
         corr = jnp.exp(m_old - shift)  # 0 while m_old is -inf
-        pv = (jnp.einsum("qhk,kr->qhr", p, vals) if absorbed
-              else jnp.einsum("qhk,khd->qhd", p, vals))
-        keep = live_q[:, None]
+        pv = (jnp.einsum("hqk,kr->hqr", p, vals) if absorbed
+              else jnp.einsum("hqk,hkd->hqd", p, vals))
+        keep = live_q[None, :]
         m_new = jnp.where(keep, m_new, m_old)
         d_new = jnp.where(keep, d_old * corr + p.sum(-1), d_old)
         a_new = jnp.where(keep[..., None], a_old * corr[..., None] + pv, a_old)
-        return (jax.lax.dynamic_update_slice_in_dim(mx, m_new, row0, 0),
-                jax.lax.dynamic_update_slice_in_dim(den, d_new, row0, 0),
-                jax.lax.dynamic_update_slice_in_dim(acc, a_new, row0, 0))
+        return (jax.lax.dynamic_update_slice_in_dim(mx, m_new, row0, 1),
+                jax.lax.dynamic_update_slice_in_dim(den, d_new, row0, 1),
+                jax.lax.dynamic_update_slice_in_dim(acc, a_new, row0, 1))
 
     def cond(c):
         return c[0] < total
@@ -318,10 +337,10 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
         return (c[0] + 1, *item(c[0], c[1:]))
 
     _, _, den, acc = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), m0, d0, acc0))
-    out = acc[:T] / jnp.maximum(den[:T], 1e-30)[..., None]  # rows without keys: 0 / tiny = 0
+    out = acc[:, :T] / jnp.maximum(den[:, :T], 1e-30)[..., None]  # no keys: 0 / tiny = 0
     if absorbed:
-        out = jnp.einsum("thr,hdr->thd", out, w_vc)
-    return out
+        return jnp.einsum("htr,hdr->thd", out, w_vc)
+    return out.transpose(1, 0, 2)
 
 
 def mla_extend(

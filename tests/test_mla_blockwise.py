@@ -127,6 +127,32 @@ def test_blockwise_decode_equals_the_dense_reference_with_padding_rows(drawn, lo
 
 
 @given(ragged_batches("ragged"))
+def test_stale_slots_never_reach_the_output(b):
+    """Pool slots no request reads (the sink, freed slots) may hold anything: with them set to
+    NaN and inf, every form gives what it gives on a clean pool."""
+    x = _tensors(b["seed"], b["T"])
+    args = _args(x, b)
+    c_kv, k_pe, page_table, seq_lens = args[2], args[3], args[6], args[7]
+    read = np.zeros(c_kv.shape[0], bool)
+    for row, n in zip(np.asarray(page_table), np.asarray(seq_lens), strict=True):
+        read[row[:n]] = True
+    bad = jnp.asarray(~read)[:, None]
+    dirty = list(args)
+    dirty[2] = jnp.where(bad, jnp.nan, c_kv)
+    dirty[3] = jnp.where(bad, jnp.inf, k_pe)
+    want = ref_extend(*args, max_extend_len=b["Q"], scale=0.4)
+    for block, query_block, absorbed in FORMS:
+        got = extend(*dirty, max_extend_len=b["Q"], scale=0.4, block_size=block,
+                     query_block=query_block, absorbed=absorbed)
+        _close(got, want)
+    seq = jnp.where(b["extend_lens"] > 0, seq_lens, 0)
+    x = _tensors(b["seed"], seq.shape[0])  # one query per request
+    d_args = (*_args(x, b)[:2], c_kv, k_pe, *_args(x, b)[4:7], seq)
+    d_dirty = (*d_args[:2], dirty[2], dirty[3], *d_args[4:])
+    _close(decode(*d_dirty, scale=0.4, block_size=5), ref_decode(*d_args, scale=0.4))
+
+
+@given(ragged_batches("ragged"))
 def test_logits_near_1e4_neither_overflow_nor_drift(b):
     x = _tensors(b["seed"], b["T"], integers=True)
     want = ref_extend(*_args(x, b), max_extend_len=b["Q"], scale=0.25)
@@ -176,6 +202,8 @@ def test_the_rule_picks_absorbed_for_few_queries_and_decompressed_for_wide_tiles
     kimi = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
     assert mla.prefers_absorbed(1, **kimi) and mla.prefers_absorbed(64, **kimi)
     assert not mla.prefers_absorbed(2048, **kimi)
+    tiny = dict(qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
+    assert mla.prefers_absorbed(2048, **tiny)  # narrow heads: absorbed, measured
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +264,7 @@ def test_backend_blockwise_extend_and_decode_equal_the_dense_backend(form):
     d_in = {k: (v[:3] if k in ("q_nope", "q_pe", "c_kv", "k_pe") else v)
             for k, v in inputs.items()}
     for impl in ("dense", "blockwise"):
-        be = MLAAttnBackend.from_config(cfg, 32, impl=impl, block_size=4)
+        be = MLAAttnBackend.from_config(cfg, 32, impl=impl, decode_block_size=4)
         be = be.with_forward_metadata(be.get_forward_metadata(dec))
         outs[impl], _ = jax.jit(functools.partial(be.forward_decode, layer))(dec, **d_in)
     _close(outs["blockwise"], outs["dense"])
