@@ -724,7 +724,7 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
     base = _peak_rss(reset=True)
     t0 = time.perf_counter()
     stream = engine.stream([prompt], new_tokens)
-    next(stream)
+    tokens = [next(stream)[1]]
     wall_prefill = time.perf_counter() - t0
     peak_prefill, peak_prefill_alone = rss(), _peak_rss()
     s = engine.stats
@@ -744,8 +744,7 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
         seq = max(round(sum(ends) / len(ends)), min(C, prompt_len))
         mla_prefill += len(ends) * _time_mla(engine, row, seq, min(C, seq), W, False,
                                              mla_rounds)
-    for _ in stream:
-        pass
+    tokens += [t for _, t in stream]
     s = engine.stats
     decode_steps = s.decode_tokens
     decode_s = s.decode_seconds / max(decode_steps, 1)
@@ -754,7 +753,7 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
     mla_decode = _time_mla(engine, row, ctx, 1, W_dec, True, max(mla_rounds, 5))
     return dict(
         prompt_len=prompt_len, new_tokens=new_tokens, chunked_prefill_size=C,
-        kv_buckets=list(engine.kv_buckets), wall_prefill_s=wall_prefill,
+        kv_buckets=list(engine.kv_buckets), tokens=tokens, wall_prefill_s=wall_prefill,
         prefill_tok_s=prompt_len / wall_prefill,
         prefill_steady_s=prefill["steady_s"], prefill_steady_tokens=prefill["steady_tokens"],
         compile_s=compile_s, prefill_compiled=prefill["compiled"],
@@ -772,15 +771,42 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
     )
 
 
-def bench_longctx(lengths=LONGCTX_LENGTHS, new_tokens: int = 8,
-                  chunked_prefill_size: int | None = None, timeout_s: float = 3600.0,
-                  mla_rounds: int = 3) -> dict:
-    """Run ``bench longctx`` (see the module docstring): each length in a fresh Python process
-    (``python -m hybridattn.bench longctx --one N``), so its peak resident memory is its own;
-    one that fails or runs past ``timeout_s`` is reported with its reason."""
+def _longctx_child(n: int, new_tokens: int, chunked_prefill_size: int | None,
+                   mla_rounds: int, timeout_s: float) -> dict:
+    """``_longctx_one`` in a fresh process (``python -m hybridattn.bench longctx --one N``):
+    its row, or ``{"prompt_len": n, "failed": why}``."""
     import os
     import subprocess
 
+    cmd = [sys.executable, "-m", "hybridattn.bench", "longctx", "--one", str(n),
+           "--new-tokens", str(new_tokens), "--mla-rounds", str(mla_rounds)]
+    if chunked_prefill_size is not None:
+        cmd += ["--chunked-prefill", str(chunked_prefill_size)]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return dict(prompt_len=n, failed=f"ran past {timeout_s:.0f} s")
+    if out.returncode != 0:
+        why = (f"exit {out.returncode}" if out.returncode > 0 else
+               f"killed by signal {-out.returncode}" + (" (out of memory?)"
+                                                        if out.returncode == -9 else ""))
+        tail = out.stderr.strip().splitlines()[-1:] or [""]
+        return dict(prompt_len=n, failed=f"{why}: {tail[0][:200]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["process_s"] = time.perf_counter() - t0
+    return row
+
+
+def bench_longctx(lengths=LONGCTX_LENGTHS, new_tokens: int = 8,
+                  chunked_prefill_size: int | None = None, timeout_s: float = 3600.0,
+                  mla_rounds: int = 3, compare_chunk: int | None = None) -> dict:
+    """Run ``bench longctx`` (see the module docstring): each length in a fresh Python process
+    (``python -m hybridattn.bench longctx --one N``), so its peak resident memory is its own;
+    one that fails or runs past ``timeout_s`` is reported with its reason. ``compare_chunk``:
+    also run each length with that ``chunked_prefill_size`` (other query tiles and blocks)
+    and report whether its greedy tokens are the same."""
     from hybridattn import serve_anchors as A
     from hybridattn.config import KimiLinearConfig
 
@@ -789,31 +815,20 @@ def bench_longctx(lengths=LONGCTX_LENGTHS, new_tokens: int = 8,
     res: dict = dict(machine=_machine(), config=config.to_dict(), new_tokens=new_tokens,
                      bandwidth_gbs=bandwidth, targets=LONGCTX_TARGETS, rows=[])
     for n in lengths:
-        cmd = [sys.executable, "-m", "hybridattn.bench", "longctx", "--one", str(n),
-               "--new-tokens", str(new_tokens), "--mla-rounds", str(mla_rounds)]
-        if chunked_prefill_size is not None:
-            cmd += ["--chunked-prefill", str(chunked_prefill_size)]
-        t0 = time.perf_counter()
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                 env=os.environ.copy())
-        except subprocess.TimeoutExpired:
-            res["rows"].append(dict(prompt_len=n, failed=f"ran past {timeout_s:.0f} s"))
+        row = _longctx_child(n, new_tokens, chunked_prefill_size, mla_rounds, timeout_s)
+        if "failed" in row:
+            res["rows"].append(row)
             continue
-        if out.returncode != 0:
-            why = (f"exit {out.returncode}" if out.returncode > 0 else
-                   f"killed by signal {-out.returncode}" + (" (out of memory?)"
-                                                            if out.returncode == -9 else ""))
-            tail = out.stderr.strip().splitlines()[-1:] or [""]
-            res["rows"].append(dict(prompt_len=n, failed=f"{why}: {tail[0][:200]}"))
-            continue
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        row["process_s"] = time.perf_counter() - t0
         floor = A.decode_bytes_per_step(config, 1, n + new_tokens // 2)
         row["decode_floor_bytes"] = floor["total"]
         row["decode_floor_s"] = floor["total"] / (bandwidth * 1e9)
         if row["decode_step_s"]:
             row["decode_floor_ratio"] = row["decode_step_s"] / row["decode_floor_s"]
+        if compare_chunk is not None:  # the same request with another blocking
+            other = _longctx_child(n, new_tokens, compare_chunk, 1, timeout_s)
+            row["compare_chunk"] = dict(chunked_prefill_size=compare_chunk,
+                                        failed=other.get("failed"),
+                                        same_tokens=other.get("tokens") == row["tokens"])
         res["rows"].append(row)
     res["verdict"] = _longctx_verdict(res)
     return res
@@ -905,6 +920,13 @@ def _print_longctx(res: dict) -> None:
     e = v.get("decode_64k_floor")
     print(f"target 64k decode <= {t['decode_floor_ratio']:.0f}x floor: {mark(e)}"
           + (f" ({e['ratio']:.1f}x)" if e else ""))
+    for r in res["rows"]:
+        c = r.get("compare_chunk")
+        if c:
+            print(f"{r['prompt_len']} tokens, chunked_prefill_size {r['chunked_prefill_size']} "
+                  f"vs {c['chunked_prefill_size']}: "
+                  + (f"failed ({c['failed']})" if c["failed"] else
+                     "same greedy tokens" if c["same_tokens"] else "DIFFERENT tokens"))
     e = v.get("peak_linear_in_pools")
     if e:
         print(f"target peak linear in the pools: {mark(e)} (peak grows "
@@ -1024,6 +1046,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's chunked_prefill_size (default: the engine's)")
     lc.add_argument("--timeout", type=float, default=3600.0,
                     help="seconds one length may take before it counts as not completed")
+    lc.add_argument("--compare-chunk", type=int, default=None,
+                    help="also run each length with this chunked_prefill_size and compare "
+                         "the greedy tokens")
     lc.add_argument("--mla-rounds", type=int, default=3, help=argparse.SUPPRESS)
     lc.add_argument("--plot", metavar="DIR", help="also write longctx.png into DIR")
     lc.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child run
@@ -1036,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = args.lengths or [n for n in LONGCTX_LENGTHS if not args.quick or n <= 65536]
         res = bench_longctx(lengths, new_tokens=args.new_tokens,
                             chunked_prefill_size=args.chunked_prefill, timeout_s=args.timeout,
-                            mla_rounds=args.mla_rounds)
+                            mla_rounds=args.mla_rounds, compare_chunk=args.compare_chunk)
         if args.plot:
             res["plots"] = _plot_longctx(res, args.plot)
         return _emit(res, args.json, _print_longctx)

@@ -4,6 +4,7 @@ and the ``bench longctx`` code path at tiny lengths (the long runs live in the b
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from harness import CFG, PARAMS
 
@@ -14,6 +15,7 @@ from hybridattn.engine import (
     MemoryReport,
     default_max_running_requests,
 )
+from hybridattn.models.kimi_linear import apply
 from hybridattn.scheduler import kv_ladder
 
 M1 = 1 << 20
@@ -95,10 +97,13 @@ def test_the_memory_report_per_context_length_grows_with_the_pools():
 
 
 def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
-    res = bench.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1)
+    res = bench.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1,
+                              compare_chunk=64)
     assert [r["prompt_len"] for r in res["rows"]] == [256, 512]
     for r in res["rows"]:
         assert "failed" not in r, r
+        assert len(r["tokens"]) == 3
+        assert r["compare_chunk"] == dict(chunked_prefill_size=64, failed=None, same_tokens=True)
         assert r["prefill_compiled"] == 0  # every shape compiled before the timed prefill
         assert r["decode_steps"] == 2 and r["decode_step_s"] > 0
         assert r["decode_floor_s"] > 0 and r["decode_floor_ratio"] > 0
@@ -109,6 +114,23 @@ def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
     bench._print_longctx(res)
     out = capsys.readouterr().out
     assert "target 64k prefill" in out and "   512 |" in out
+    assert "512 tokens, chunked_prefill_size 256 vs 64: same greedy tokens" in out
     pytest.importorskip("matplotlib")
     (path,) = bench._plot_longctx(res, str(tmp_path))
     assert path.endswith("longctx.png")
+
+
+def test_an_8k_prompt_gives_the_greedy_tokens_of_the_dense_apply():
+    """The engine at 8k (blockwise MLA over the paged pool, chunked prefill) against the
+    cache-free dense ``apply``: each generated token is ``apply``'s argmax after the prompt
+    and the tokens before it (one teacher-forced ``apply`` over prompt + answer)."""
+    n, new = 8192, 4
+    prompt = np.random.default_rng(8).integers(1, CFG.vocab_size, n).tolist()
+    eng = Engine(CFG, PARAMS, max_running_requests=1, max_context_len=n + new,
+                 num_token_slots=n + new + 1, chunk_size=32, prefix_cache=False,
+                 chunked_prefill_size=2048, token_buckets=(2049,), kv_buckets=(n + new,),
+                 request_buckets=(1,))
+    (answer,) = eng.generate([prompt], new)
+    logits = jax.jit(apply, static_argnums=1)(PARAMS, CFG, np.array([prompt + answer[:-1]]))
+    want = np.asarray(logits[0, n - 1:].argmax(-1)).tolist()
+    assert answer == want
