@@ -2,8 +2,8 @@
 
 Each function takes the dict a benchmark returns (the one ``--json`` prints, so a saved run
 plots again with ``--from-json FILE``) and writes one PNG into ``DIR``, named after the
-benchmark (``kda.png``, ``serve.png``, ``prefix.png``); it returns the path. matplotlib draws
-off screen (the Agg backend), small enough to commit (about 30 KB a plot).
+benchmark (``kda.png``, ``serve.png``, ``prefix.png``, ``longctx.png``); it returns the path.
+matplotlib draws off screen (the Agg backend), small enough to commit (about 30 KB a plot).
 """
 
 from __future__ import annotations
@@ -129,5 +129,32 @@ def plot_prefix(res: dict, out_dir: str) -> str:
     return _save(fig, out_dir, "prefix")
 
 
-PLOTS = {"kda": plot_kda, "serve": plot_serve, "prefix": plot_prefix}
+def plot_longctx(res: dict, out_dir: str) -> str:
+    """Prefill tokens/s (left), peak memory beside the pools and parameters (middle) and
+    decode ms per step beside the bandwidth floor (right) against the prompt length, for
+    the lengths of a ``bench longctx`` result that completed."""
+    plt = _pyplot()
+    fig, (tok, mem, dec) = plt.subplots(1, 3, **{**_STYLE, "figsize": (10.5, 3.4)})
+    rows = [r for r in res["rows"] if "failed" not in r]
+    n = [r["prompt_len"] for r in rows]
+    tok.plot(n, [r["prefill_tok_s"] for r in rows], "o-")
+    tok.set(title="prefill tok/s", xlabel="prompt tokens")
+    mem.plot(n, [r["peak_prefill_rss_bytes"] / 1e6 for r in rows], "o-", label="peak RSS")
+    mem.plot(n, [(r["pool_bytes"] + r["param_bytes"]) / 1e6 for r in rows], "s--",
+             label="pools + params")
+    mem.axhline(res["targets"]["prefill_peak_bytes"] / 1e6, color="grey", ls=":",
+                label="64k target")
+    mem.set(title="memory (MB)", xlabel="prompt tokens")
+    dec.plot(n, [1e3 * (r["decode_step_s"] or 0) for r in rows], "o-", label="decode step")
+    dec.plot(n, [1e3 * r["decode_floor_s"] for r in rows], "s--", label="bandwidth floor")
+    dec.set(title="decode ms/step", xlabel="prompt tokens")
+    for ax in (tok, mem, dec):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    for ax in (mem, dec):
+        ax.legend(fontsize=7)
+    return _save(fig, out_dir, "longctx")
+
+
+PLOTS = {"kda": plot_kda, "serve": plot_serve, "prefix": plot_prefix, "longctx": plot_longctx}
 """The plot of each benchmark, by its subcommand's name."""

@@ -4,7 +4,8 @@ The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (sta
 ``hybridattn.scheduler.Scheduler`` decides what runs. Each scheduling round:
 
 1. **Admit** waiting requests (FIFO) while a request row and a recurrent-state slot are free
-   (``get_max_running_requests`` bounds the rows) and the token slots can hold the request's
+   (``get_max_running_requests`` bounds the rows, at least one: a long-context engine whose
+   pool holds less than one ``max_context_len`` runs one request) and the token slots hold its
    whole life (prompt + ``max_new_tokens - 1``) on top of what running requests reserved. A
    request that does not fit waits; running requests can never run out of slots.
 2. **Schedule**: if some admitted request still has prompt tokens to run, an ``EXTEND`` batch
@@ -57,6 +58,7 @@ from hybridattn.scheduler import (
     Scheduler,
     StepPlan,
     bucket,
+    kv_ladder,
     ladder,
 )
 from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
@@ -67,7 +69,8 @@ from servecore.sampling import SamplingParams
 from servecore.stats import ServingStats
 from servecore.validate import check_int, check_real, eos_token_ids, prompt_list, stop_ids
 
-__all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_bytes"]
+__all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_bytes",
+           "default_chunked_prefill_size", "default_max_running_requests"]
 
 
 # The jitted functions are shared by every engine (a second engine of the same config and
@@ -110,6 +113,39 @@ def available_memory_bytes() -> int:
     True
     """
     return _memory.available_memory_bytes()
+
+
+REQ_TABLE_POSITIONS = 1 << 23
+"""Positions of the default ``req_to_token`` table: about 32 MiB of int32 (32 rows up to 256k,
+8 at 1M)."""
+
+
+def default_max_running_requests(max_context_len: int) -> int:
+    """The default request rows: 32, fewer when 32 rows of ``max_context_len`` positions would
+    make the ``req_to_token`` table larger than ``REQ_TABLE_POSITIONS`` int32 (32 MiB), and
+    at least one. A row is a whole context of slot ids whether or not a request fills it, so
+    at 1M the default keeps 8 rows (32 MiB) rather than 32 (128 MiB); a 1M context also needs
+    a token pool of that many tokens per running request, which few machines hold 32 times.
+
+    >>> [default_max_running_requests(n) for n in (4096, 1 << 18, 1 << 19, 1 << 20, 1 << 24)]
+    [32, 32, 16, 8, 1]
+    """
+    check_int("max_context_len", max_context_len, 1)
+    return min(32, max(1, REQ_TABLE_POSITIONS // max_context_len))
+
+
+def default_chunked_prefill_size(max_context_len: int) -> int:
+    """The default prompt tokens per step: 256 up to 4096 tokens of context (short prompts,
+    small compiled shapes), 2048 beyond. A long prompt then takes 8x fewer steps, each
+    query tile of the blockwise MLA meets more queries per key block, and fewer width
+    buckets are met: a 64k prompt on the tiny config prefilled in 39 s instead of 48 s and
+    compiled in 67 s instead of 98 (``bench longctx``, docs/benchmarks.md).
+
+    >>> [default_chunked_prefill_size(n) for n in (4096, 4097, 1 << 20)]
+    [256, 2048, 2048]
+    """
+    check_int("max_context_len", max_context_len, 1)
+    return 256 if max_context_len <= 4096 else 2048
 
 
 def _nbytes(x) -> int:
@@ -178,6 +214,7 @@ class MemoryReport:
     state_bytes_per_request: int  # KDA conv + recurrent state, summed over the KDA layers
     pool_bytes: int
     num_snapshot_slots: int = 0  # prefix-cache snapshot slots, the sink included
+    req_to_token_bytes: int = 0  # the request table: (rows + 1) x max_context_len int32 + maps
 
     @property
     def snapshot_bytes(self) -> int:
@@ -222,14 +259,69 @@ class MemoryReport:
                                         jax.tree.leaves(shapes.recurrent_state_pool)),
             pool_bytes=sum(_nbytes(x) for x in jax.tree.leaves(shapes)),
             num_snapshot_slots=num_snapshot_slots,
+            req_to_token_bytes=sum(_nbytes(x) for x in jax.tree.leaves(
+                shapes.req_to_token_pool)),
         )
+
+    @classmethod
+    def by_context_len(cls, config: KimiLinearConfig, context_lens: Sequence[int] = (
+            1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20), *,
+            max_running_requests: int | None = None, dtype=jnp.float32,
+            param_bytes: int | None = None) -> list[MemoryReport]:
+        """What an engine must hold to run ``max_running_requests`` requests of each context
+        length at once (default rows: ``default_max_running_requests``), each with a token
+        pool of exactly that many full contexts and no prefix cache: a report per length,
+        from shapes alone. ``format_table`` prints them. The tiny model keeps 160 B of latent
+        per token, so one 1M context holds 160 MiB of latents, 8 MiB of ``req_to_token`` row
+        and 5 MiB of slot allocator; the 8 default rows need 8x the pool:
+
+        >>> cfg = KimiLinearConfig.tiny()
+        >>> r4k, r1m = MemoryReport.by_context_len(cfg, (4096, 1 << 20), max_running_requests=1)
+        >>> r4k.mla_bytes_per_token, r1m.pool_bytes // (1 << 20), r1m.req_to_token_bytes >> 20
+        (160, 173, 8)
+        >>> [r.max_running_requests for r in MemoryReport.by_context_len(cfg, (4096, 1 << 20))]
+        [32, 8]
+        """
+        out = []
+        for n in context_lens:
+            check_int("context_len", n, 1)
+            R = (default_max_running_requests(n) if max_running_requests is None
+                 else check_int("max_running_requests", max_running_requests, 1))
+            out.append(cls.for_config(config, max_running_requests=R, max_context_len=n,
+                                      num_token_slots=R * n + 1, dtype=dtype,
+                                      param_bytes=param_bytes))
+        return out
+
+    @staticmethod
+    def format_table(reports: Sequence[MemoryReport]) -> str:
+        """A table of reports (``by_context_len``): per context length the request rows, the
+        MLA latents of the token pool, the ``req_to_token`` table, the KDA states of the rows,
+        all pools (allocators included), and the parameters, in MiB.
+
+        >>> cfg = KimiLinearConfig.tiny()
+        >>> print(MemoryReport.format_table(MemoryReport.by_context_len(
+        ...     cfg, (4096, 1 << 20), max_running_requests=1)).splitlines()[0])
+        context | rows | latent MiB | req_to_token MiB | states MiB | pools MiB | params MiB
+        """
+        mib = 1 << 20
+        lines = ["context | rows | latent MiB | req_to_token MiB | states MiB | pools MiB | "
+                 "params MiB"]
+        for r in reports:
+            kv = r.num_token_slots * r.mla_bytes_per_token
+            states = (r.max_running_requests + 1) * r.state_bytes_per_request
+            lines.append(f"{r.max_context_len:>7} | {r.max_running_requests:>4} | "
+                         f"{kv / mib:10.1f} | {r.req_to_token_bytes / mib:16.2f} | "
+                         f"{states / mib:10.2f} | {r.pool_bytes / mib:9.1f} | "
+                         f"{r.param_bytes / mib:10.2f}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         mib = 1 << 20
         return (
             f"pools {self.pool_bytes / mib:.1f} MiB of a {self.budget_bytes / mib:.0f} MiB budget "
             f"(params {self.param_bytes / mib:.1f} MiB): {self.num_token_slots - 1} token slots, "
-            f"{self.max_running_requests} requests x {self.max_context_len} context\n"
+            f"{self.max_running_requests} requests x {self.max_context_len} context "
+            f"(req_to_token {self.req_to_token_bytes / mib:.1f} MiB)\n"
             f"per token of context: {self.mla_bytes_per_token} B of MLA latent ("
             f"{self.mla_layers} MLA layers x {self.mla_bytes_per_token // max(self.mla_layers, 1)}"
             f" B) vs "
@@ -301,20 +393,28 @@ class Engine:
             ``KimiLinearConfig``).
         params: the model's parameters (``kimi_linear.load`` or ``kimi_linear.init_params``);
             checked against ``kimi_linear.param_shapes(config)``.
-        max_running_requests: request rows (default 32).
-        max_context_len: longest prompt + generation (default ``min(model_max_length, 4096)``).
+        max_running_requests: request rows (default ``default_max_running_requests``: 32,
+            fewer above 256k of context, so the ``req_to_token`` table stays within 32 MiB);
+            never more than the token slots hold at full context, and at least one.
+        max_context_len: longest prompt + generation (default ``min(model_max_length, 4096)``);
+            up to 1M tokens and beyond: only the ``req_to_token`` rows grow with it, the token
+            pool is sized on its own (a pool smaller than one full context serves one request
+            at a time, each prompt + generation within the pool).
         num_token_slots: MLA token slots; default: what ``mem_fraction`` of the available
-            memory (less the parameters and the KDA states) holds, at most enough for every
-            request at full context.
+            memory (less the parameters, the ``req_to_token`` table and the KDA states) holds,
+            at most enough for every request at full context.
         mem_fraction: the share of ``available_memory_bytes()`` the default pool may use.
-        chunked_prefill_size: prompt tokens per step (long prompts span several steps).
+        chunked_prefill_size: prompt tokens per step (long prompts span several steps);
+            default ``default_chunked_prefill_size(max_context_len)``: 256, or 2048 past
+            4096 tokens of context.
         request_buckets: shape buckets of the padded batches' request count (default:
             powers of four up to ``max_running_requests``); the step compiles once per
             bucket tuple used.
         token_buckets: shape buckets of the tokens in a step (default: powers of four from
             16 up to ``chunked_prefill_size + max_running_requests``).
         kv_buckets: shape buckets of the attention width (default: powers of four from 64
-            up to ``max_context_len``).
+            up to 4096, then powers of two up to ``max_context_len``: at long context a
+            width pads by at most 2x, 12 buckets for 1M).
         snapshot_buckets: shape buckets of the state snapshots an extend step takes (default:
             0, then powers of four from 4 up to what a step can take: one per grid interval
             of a prefill chunk and three per request); one bucket means one variant.
@@ -406,11 +506,11 @@ class Engine:
         config: KimiLinearConfig,
         params,
         *,
-        max_running_requests: int = 32,
+        max_running_requests: int | None = None,
         max_context_len: int | None = None,
         num_token_slots: int | None = None,
         mem_fraction: float = 0.5,
-        chunked_prefill_size: int = 256,
+        chunked_prefill_size: int | None = None,
         request_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
         kv_buckets: Sequence[int] | None = None,
@@ -429,8 +529,12 @@ class Engine:
         kimi_linear.check_params(params, config)
         if max_context_len is None:
             max_context_len = min(config.model_max_length or 4096, 4096)
-        check_int("max_running_requests", max_running_requests, 1)
         check_int("max_context_len", max_context_len, 1)
+        if max_running_requests is None:
+            max_running_requests = default_max_running_requests(max_context_len)
+        check_int("max_running_requests", max_running_requests, 1)
+        if chunked_prefill_size is None:
+            chunked_prefill_size = default_chunked_prefill_size(max_context_len)
         check_int("chunked_prefill_size", chunked_prefill_size, 1)
         check_int("chunk_size", chunk_size, 1)
         check_int("seed", seed, 0)
@@ -467,8 +571,7 @@ class Engine:
         self.tokenizer, self._eos = tokenizer, eos
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size
-        geometry = dict(max_running_requests=max_running_requests,
-                        max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,
+        geometry = dict(max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,
                         seed=seed)
         # Bytes per token and per request, read from the pools' own layout (shapes only).
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -479,7 +582,15 @@ class Engine:
         # The budget, after the parameters and the working states, is split: a quarter to the
         # prefix cache's snapshots (unless their number is given), the rest to token slots.
         snap_bytes = unit.state_bytes_per_request
-        left = budget - param_bytes - (max_running_requests + 1) * snap_bytes
+        if unit.req_to_token_bytes > budget:
+            raise ValueError(
+                f"mem_fraction={mem_fraction} of the available memory ({budget} bytes) holds no "
+                f"req_to_token table of max_running_requests={max_running_requests} rows x "
+                f"max_context_len={max_context_len} int32 positions ({unit.req_to_token_bytes} "
+                "bytes): lower max_running_requests (the default at this context is "
+                f"{default_max_running_requests(max_context_len)})")
+        left = (budget - param_bytes - unit.req_to_token_bytes
+                - (max_running_requests + 1) * snap_bytes)
         if not prefix_cache:
             snap_share = 0
         elif num_snapshot_slots is None:
@@ -493,15 +604,21 @@ class Engine:
                 raise ValueError(
                     f"mem_fraction={mem_fraction} of the available memory ({budget} bytes) "
                     f"holds {max(num_token_slots - 1, 0)} token slots, less than one "
-                    f"max_context_len={max_context_len}: lower max_context_len or raise "
-                    "mem_fraction"
+                    f"max_context_len={max_context_len}: lower max_context_len, raise "
+                    "mem_fraction, or give num_token_slots (a pool smaller than one context "
+                    "serves prompts up to its size)"
                 )
+        # Rows the token pool cannot fill at full context are not allocated (their
+        # req_to_token rows and KDA states would sit idle); one row always, so a pool smaller
+        # than one max_context_len serves one request at a time. Admission reserves each
+        # request's own need, so requests shorter than max_context_len never run out.
+        rows = min(max_running_requests, max(1, (num_token_slots - 1) // max_context_len))
         if not prefix_cache:
             num_snapshot_slots = 0
         elif num_snapshot_slots is None:
             # a grid snapshot for every interval the token pool can cache, and a few more per
             # request (the branch point, the last-but-one prompt token, the end)
-            want = num_token_slots // snapshot_interval + 4 * max_running_requests
+            want = num_token_slots // snapshot_interval + 4 * rows
             num_snapshot_slots = min(want, snap_share // max(snap_bytes, 1)) + 1
             if num_snapshot_slots < 2:
                 raise ValueError(
@@ -513,22 +630,22 @@ class Engine:
                              "is the sink): give at least 2, or pass prefix_cache=False")
         self.prefix_cache, self.snapshot_interval = prefix_cache, snapshot_interval
         self.state = ServingState.create(config, num_token_slots=num_token_slots,
-                                         num_snapshot_slots=num_snapshot_slots, **geometry)
-        self.max_running_requests = self.state.max_running_requests
-        if self.max_running_requests < 1:
-            raise ValueError(f"num_token_slots={num_token_slots} cannot hold one request of "
-                             f"max_context_len={max_context_len}")
+                                         num_snapshot_slots=num_snapshot_slots,
+                                         max_running_requests=rows, **geometry)
+        self.max_running_requests = rows
         self.max_context_len = max_context_len
         self.capacity = num_token_slots - 1
         self.memory = dataclasses.replace(
             unit, budget_bytes=budget, max_running_requests=self.max_running_requests,
             num_token_slots=num_token_slots, num_snapshot_slots=num_snapshot_slots,
-            pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)))
+            pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
+            req_to_token_bytes=sum(x.nbytes for x in jax.tree.leaves(
+                self.state.req_to_token_pool)))
         R = self.max_running_requests
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
         self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))
         self.token_buckets = _buckets("token_buckets", token_buckets, ladder(16, max_t))
-        self.kv_buckets = _buckets("kv_buckets", kv_buckets, ladder(64, max_context_len))
+        self.kv_buckets = _buckets("kv_buckets", kv_buckets, kv_ladder(max_context_len))
         # snapshots one step may take: a grid point per interval of its prompt tokens and one
         # more per request (a chunk rarely starts on the grid), a branch point and the
         # last-but-one prompt token per request
@@ -625,13 +742,15 @@ class Engine:
                                   seed=seed)
         stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, V)
         req = Request(self._next_rid, ids, int(max_new_tokens), sampling, stop)
-        if req.need > self.max_context_len:
-            raise ValueError(f"{what} of {len(ids)} tokens + max_new_tokens={max_new_tokens} "
-                             f"needs a context of {req.need} tokens, more than max_context_len="
-                             f"{self.max_context_len}")
-        if req.need > self.capacity:
-            raise ValueError(f"{what} needs {req.need} token slots, more than the pool holds "
-                             f"({self.capacity})")
+        if req.need > min(self.max_context_len, self.capacity):
+            short = ("max_context_len" if req.need > self.max_context_len else
+                     "the token pool")
+            raise ValueError(
+                f"{what} of {len(ids)} tokens + max_new_tokens={max_new_tokens} needs a context "
+                f"of {req.need} tokens, more than {short} holds: this engine has max_context_len="
+                f"{self.max_context_len} and {self.capacity} token slots (num_token_slots="
+                f"{self.capacity + 1}, the sink included); shorten the prompt or build the "
+                "engine with more of both")
         return req
 
     def abort(self, rid: int) -> bool:

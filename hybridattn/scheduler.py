@@ -72,7 +72,7 @@ from servecore.radix import RadixCache
 from servecore.sampling import SamplingParams
 
 __all__ = ["Admission", "Borrow", "FreeSlots", "Release", "Request", "Scheduler", "StepPlan",
-           "bucket", "ladder"]
+           "bucket", "kv_ladder", "ladder"]
 
 
 def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -86,6 +86,23 @@ def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
     while lo < hi:
         out.append(lo)
         lo *= factor
+    return (*out, hi)
+
+
+def kv_ladder(hi: int, lo: int = 64, switch: int = 4096) -> tuple[int, ...]:
+    """The default attention-width buckets: powers of four from ``lo`` up to ``switch``, then
+    powers of two, then ``hi``. Short contexts keep few compilations; at long context, where a
+    step's cost grows with its width, padding wastes at most 2x (12 buckets for 1M).
+
+    >>> kv_ladder(96), kv_ladder(4096), len(kv_ladder(1 << 20))
+    ((64, 96), (64, 256, 1024, 4096), 12)
+    >>> kv_ladder(40000)
+    (64, 256, 1024, 4096, 8192, 16384, 32768, 40000)
+    """
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= 4 if lo < switch else 2
     return (*out, hi)
 
 

@@ -18,6 +18,7 @@ HYBRIDATTN_API = [
     "hybridattn.ops",
     "hybridattn.config",
     "hybridattn.pools",
+    "hybridattn.mla",
     "hybridattn.backend",
     "hybridattn.batch",
     "hybridattn.serving",
