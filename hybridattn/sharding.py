@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
@@ -298,7 +299,7 @@ def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
     return jax.jit(build, out_shardings=shardings)()
 
 
-def natural_conv(conv: jax.Array, tensor: int) -> jax.Array:
+def natural_conv(conv: Float[Array, "*lead C"], tensor: int) -> Float[Array, "*lead C"]:
     """A sharded conv-state pool ``[..., 3*H*Dk]`` (channels device by device, each device
     ``[q | k | v]`` of its heads) in the unsharded order ``[q | k | v]`` of all heads.
 
@@ -374,6 +375,12 @@ def _unstack(tree):
 def _restack(tree):
     return jax.tree_util.tree_map_with_path(
         lambda path, x: x if getattr(path[0], "name", None) == "rng" else x[None], tree)
+
+
+def _padding_like(batch):
+    """A batch of ``batch``'s buckets whose every row is padding (row 0, no tokens, greedy)."""
+    pad = jax.tree.map(jnp.zeros_like, batch)
+    return pad.replace(top_ps=jnp.ones_like(batch.top_ps))
 
 
 class ShardedStep:
@@ -472,7 +479,12 @@ class ShardedStep:
 
         if len(items_per_shard) != self.data:
             raise ValueError(f"{len(items_per_shard)} item lists for {self.data} data shards")
-        return stack_batches([make_worker_batch(items, **bucket) for items in items_per_shard],
+        if not any(items_per_shard):
+            raise ValueError("a sharded batch needs at least one request on some data shard")
+        batches = [make_worker_batch(items, **bucket) if items else None
+                   for items in items_per_shard]
+        like = next(b for b in batches if b is not None)
+        return stack_batches([_padding_like(like) if b is None else b for b in batches],
                              self.mesh)
 
     def _map(self, fn, state, *args, key):

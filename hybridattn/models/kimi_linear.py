@@ -877,8 +877,9 @@ def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
 
 
 def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinearConfig,
-              dtype, source: str) -> Params:
-    """Check the tensors ``found`` and read them (``get(name in the file)``) into params."""
+              dtype, source: str, shardings=None) -> Params:
+    """Check the tensors ``found`` and read them (``get(name in the file)``) into params,
+    each placed with its ``shardings`` leaf when given (host -> its devices' shards)."""
     dt = _float_dtype(dtype, "dtype")
     _check_tensors(found, names, config, source)
     expected = _expected_tensors(config)
@@ -887,7 +888,10 @@ def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinear
         a = np.asarray(get(names[name])).reshape(expected[name])
         return a.astype(np.float32 if _keeps_f32(name) else dt, copy=False)
 
-    return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
+    host = _unflatten(param_shapes(config), "", fetch)
+    if shardings is None:
+        return jax.tree.map(jnp.asarray, host)
+    return jax.tree.map(jax.device_put, host, shardings)
 
 
 def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
@@ -931,14 +935,17 @@ def _weight_files(path: str) -> tuple[dict[str, str] | None, str]:
                             f"{_INDEX_FILE}")
 
 
-def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearConfig, Params]:
+def load(path: str | os.PathLike[str], dtype=jnp.float32,
+         mesh=None) -> tuple[KimiLinearConfig, Params]:
     """Read a Hugging Face checkpoint directory: ``(config, params)``.
 
     ``path`` holds ``config.json`` and ``model.safetensors`` or shards listed by
     ``model.safetensors.index.json``. Every tensor's name and shape is checked against the
     config before any is read (see ``from_checkpoint`` for the naming, dtypes and
     errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
-    but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``.
+    but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``. With a
+    ``(data, tensor)`` ``mesh`` each tensor goes from the file straight to its shards on
+    the mesh (``hybridattn.sharding.param_shardings``), never whole onto one device.
 
     A round trip through ``save_pretrained``:
 
@@ -993,8 +1000,12 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32) -> tuple[KimiLinearCon
             sl = handles[where[n]].get_slice(n)
             dt = sl.get_dtype()
             found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
+        shardings = None
+        if mesh is not None:
+            from hybridattn.sharding import param_shardings
+            shardings = param_shardings(config, mesh, dtype)
         params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
-                           dtype, path)
+                           dtype, path, shardings)
     return config, params
 
 
