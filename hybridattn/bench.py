@@ -529,7 +529,7 @@ def bench_serve_mesh(data: int, tensor: int, batch: int = 2, prompt_len: int = 3
         total, per = per_device(tree)
         res[f"{name}_bytes"], res[f"{name}_bytes_per_device"] = total, per
         res[f"{name}_fraction_per_device"] = per / total
-    b = run.make_batch([[WorkItem(r, 0, p) for r, p in zip(rows[k], prompts[k])]
+    b = run.make_batch([[WorkItem(r, 0, p) for r, p in zip(rows[k], prompts[k], strict=False)]
                         for k in range(data)], **pre)
     tokens, compiled, compile_s, step_s = [], {}, {}, {"prefill": [], "decode": []}
     for i in range(new_tokens):
@@ -552,14 +552,15 @@ def bench_serve_mesh(data: int, tensor: int, batch: int = 2, prompt_len: int = 3
                               num_token_slots=slots)
     pool, _ = alloc_reqs_or_raise(ref.req_to_token_pool, batch)
     ref, one = ref.replace(req_to_token_pool=pool), jax.jit(step, donate_argnums=1)
-    rb = make_worker_batch([WorkItem(r, 0, p) for r, p in zip(rows[0], prompts[0])], **pre)
+    rb = make_worker_batch([WorkItem(r, 0, p)
+                            for r, p in zip(rows[0], prompts[0], strict=True)], **pre)
     same = True
     for i in range(new_tokens):
         ref, out = one(params, ref, rb)
         got = np.asarray(out.next_token_ids)
         same &= got.tolist() == tokens[i][0].tolist()
         rb = make_worker_batch([WorkItem(r, prompt_len + i, [int(t)])
-                                for r, t in zip(rows[0], got)], **dec)
+                                for r, t in zip(rows[0], got, strict=False)], **dec)
     res["greedy_tokens_equal_unsharded"] = bool(same)
     return res
 

@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float
+from jaxtyping import Array, Shaped
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
@@ -120,7 +120,11 @@ def _leaf_key(path, config: KimiLinearConfig) -> str:
 
 
 def mesh_sizes(mesh: jax.sharding.Mesh) -> tuple[int, int]:
-    """``(data, tensor)`` sizes of a mesh with those two axes; ValueError otherwise."""
+    """``(data, tensor)`` sizes of a mesh with those two axes; ValueError otherwise.
+
+    >>> mesh_sizes(make_mesh(1, 1))
+    (1, 1)
+    """
     if tuple(mesh.axis_names) != (DATA, TENSOR):
         raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}, expected ('data', 'tensor')"
                          " (hybridattn.sharding.make_mesh)")
@@ -149,7 +153,14 @@ def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
 
 def check_divisible(config: KimiLinearConfig, data: int, tensor: int) -> None:
     """ValueError naming the count that a ``data x tensor`` mesh does not divide: KDA and MLA
-    heads and MLP channels by ``tensor``, routed experts by ``data * tensor``."""
+    heads and MLP channels by ``tensor``, routed experts by ``data * tensor``.
+
+    >>> check_divisible(KimiLinearConfig.tiny(), 1, 4)  # 4 heads, 4 experts: fine
+    >>> check_divisible(KimiLinearConfig.tiny(), 2, 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_experts=4 is not divisible by the mesh's data*tensor size 8
+    """
     need = [("linear_num_heads", config.linear_num_heads, tensor, "tensor"),
             ("num_attention_heads", config.num_attention_heads, tensor, "tensor"),
             ("intermediate_size", config.intermediate_size, tensor, "tensor")]
@@ -189,7 +200,7 @@ def param_specs(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.flo
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> specs = param_specs(cfg, make_mesh(1, 1))
     >>> specs["model"]["layers"][0]["self_attn"]["o_proj"]["weight"]
-    PartitionSpec(None, 'tensor')
+    P(None, 'tensor')
     """
     data, tensor = mesh_sizes(mesh)
     check_divisible(config, data, tensor)
@@ -229,14 +240,27 @@ def _shard_shape(shape, spec, sizes) -> tuple[int, ...]:
 
 
 def param_shardings(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.float32):
-    """``param_specs`` as ``NamedSharding``s on ``mesh``."""
+    """``param_specs`` as ``NamedSharding``s on ``mesh``.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> param_shardings(cfg, make_mesh(1, 1))["model"]["layers"][1]["block_sparse_moe"][
+    ...     "experts"]["w1"].spec
+    P(('data', 'tensor'), None, None)
+    """
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh, dtype),
                         is_leaf=_is_spec)
 
 
 def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     """``params`` placed on ``mesh`` by ``PARAM_RULES`` (each device receives only its
-    shard)."""
+    shard).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> params = shard_params(kimi_linear.init_params(cfg, jax.random.key(0)), cfg,
+    ...                       make_mesh(1, 1))
+    >>> params["model"]["layers"][0]["self_attn"]["q_proj"]["weight"].sharding.spec
+    P('tensor', None)
+    """
     return jax.device_put(params, param_shardings(config, mesh))
 
 
@@ -260,7 +284,15 @@ def _state_leaf_spec(path) -> P:
 def state_specs(state):
     """The ``PartitionSpec`` of every leaf of a sharded ``ServingState``: the leading (data
     shard) axis over ``data``, KDA state heads and conv channels over ``tensor``, the MLA
-    latent pool replicated over ``tensor``, the base key replicated."""
+    latent pool replicated over ``tensor``, the base key replicated.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
+    ...                      num_token_slots=18)
+    >>> specs = state_specs(state)
+    >>> specs.recurrent_state_pool.ssm[0], specs.token_to_kv_pool.c_kv[0], specs.rng
+    (P('data', None, 'tensor'), P('data',), P())
+    """
     return jax.tree_util.tree_map_with_path(lambda path, _: _state_leaf_spec(path), state)
 
 
@@ -271,7 +303,14 @@ def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
     """A sharded ``ServingState`` (``ServingState.create(..., mesh=mesh)`` calls this):
     ``D`` = ``mesh``'s data size shards, each with ``max_running_requests / D`` rows and
     ``num_token_slots / D`` token slots (its own sink included), built in place on the mesh
-    (no shard passes through another device)."""
+    (no shard passes through another device).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
+    ...                      num_token_slots=18)
+    >>> state.mesh_shape, state.token_to_kv_pool.c_kv[0].shape  # [D, slots, kv_lora_rank]
+    ((1, 1), (1, 18, 32))
+    """
     from hybridattn.serving import ServingState
 
     data, tensor = mesh_sizes(mesh)
@@ -299,7 +338,7 @@ def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
     return jax.jit(build, out_shardings=shardings)()
 
 
-def natural_conv(conv: Float[Array, "*lead C"], tensor: int) -> Float[Array, "*lead C"]:
+def natural_conv(conv: Shaped[Array, "*lead C"], tensor: int) -> Shaped[Array, "*lead C"]:
     """A sharded conv-state pool ``[..., 3*H*Dk]`` (channels device by device, each device
     ``[q | k | v]`` of its heads) in the unsharded order ``[q | k | v]`` of all heads.
 
@@ -314,15 +353,28 @@ def natural_conv(conv: Float[Array, "*lead C"], tensor: int) -> Float[Array, "*l
 
 def shard(state, k: int):
     """Data shard ``k`` of a sharded state, as an ordinary single-device ``ServingState``
-    (for inspection and tests; conv channels in the sharded order, see ``natural_conv``)."""
-    _, tensor = state.mesh_shape
+    (for inspection and tests; conv channels in the sharded order, see ``natural_conv``).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
+    ...                      num_token_slots=18)
+    >>> one = shard(state, 0)
+    >>> one.mesh_shape, one.token_to_kv_pool.c_kv[0].shape
+    (None, (18, 32))
+    """
     return jax.tree_util.tree_map_with_path(
         lambda path, x: x if path[0].name == "rng" else x[k], state).replace(mesh_shape=None)
 
 
 def stack_batches(batches: Sequence, mesh: jax.sharding.Mesh):
     """One ``ModelWorkerBatch`` per data shard (same buckets, local row ids) stacked into the
-    sharded step's batch, placed on ``mesh`` (``BATCH_SPEC``)."""
+    sharded step's batch, placed on ``mesh`` (``BATCH_SPEC``).
+
+    >>> from hybridattn.serving import WorkItem, make_worker_batch
+    >>> b = make_worker_batch([WorkItem(1, 0, [5, 6, 7])], vocab_size=64, max_context_len=8)
+    >>> stack_batches([b], make_mesh(1, 1)).input_ids.shape  # [D, T]
+    (1, 3)
+    """
     data, _ = mesh_sizes(mesh)
     if len(batches) != data:
         raise ValueError(f"{len(batches)} batches for a mesh with data size {data}")
@@ -341,7 +393,13 @@ def stack_batches(batches: Sequence, mesh: jax.sharding.Mesh):
 
 @dataclasses.dataclass(frozen=True)
 class MeshComm:
-    """How one device's shard of a layer joins the others (``comm`` of ``serving.step``)."""
+    """How one device's shard of a layer joins the others (``comm`` of ``serving.step``).
+    Its methods run inside ``jax.shard_map`` over a ``(data, tensor)`` mesh of these sizes;
+    on a 1x1 mesh they are the one-device computation.
+
+    >>> MeshComm(data=1, tensor=1).reduce_rows(jnp.ones(2))
+    Array([1., 1.], dtype=float32)
+    """
 
     data: int
     tensor: int
@@ -388,7 +446,24 @@ class ShardedStep:
     this object alone: ``state, out = run(params, state, batch)`` with ``in_shardings`` /
     ``out_shardings`` from the table and the state donated, so every output keeps its input's
     sharding and the pools update in place. ``out.next_token_ids [D, B]``, ``out.ok [D]``;
-    ``out.logits [D, B, V]`` only with ``logits=True`` (else None)."""
+    ``out.logits [D, B, V]`` only with ``logits=True`` (else None).
+
+    >>> from hybridattn.serving import ServingState, WorkItem
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> mesh = make_mesh(1, 1)
+    >>> params = shard_params(kimi_linear.init_params(cfg, jax.random.key(0)), cfg, mesh)
+    >>> state = ServingState.create(cfg, max_running_requests=2, max_context_len=8,
+    ...                             num_token_slots=18, mesh=mesh)
+    >>> run = ShardedStep(cfg, mesh)
+    >>> state, rows = run.alloc_rows(state, [1])
+    >>> rows
+    [[1]]
+    >>> batch = run.make_batch([[WorkItem(1, 0, [5, 6, 7])]], vocab_size=64, max_context_len=8,
+    ...                        num_requests=2, num_tokens=4)
+    >>> state, out = run(params, state, batch)
+    >>> out.next_token_ids.shape, out.ok.tolist(), out.logits is None
+    ((1, 2), [True], True)
+    """
 
     def __init__(self, config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
                  logits: bool = False, dtype=jnp.float32):

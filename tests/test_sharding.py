@@ -80,7 +80,8 @@ def test_sharded_prefill_and_decodes_equal_the_unsharded_step(mesh_shape, params
     state, rows = run.alloc_rows(state, [len(p) for p in prompts])
     assert rows == [list(range(1, len(p) + 1)) for p in prompts]  # local ids, per shard
     refs = [_ref_state(len(p)) for p in prompts]
-    items = [[WorkItem(r, 0, ids) for r, ids in zip(rows[k], prompts[k])] for k in range(D)]
+    items = [[WorkItem(r, 0, ids) for r, ids in zip(rows[k], prompts[k], strict=True)]
+             for k in range(D)]
     lens = [[len(ids) for ids in p] for p in prompts]
     batch = run.make_batch(items, **PREFILL)
     ref_batches = [make_worker_batch(it, **PREFILL) for it in items]
@@ -163,7 +164,8 @@ def test_per_device_bytes_follow_the_table(params):
     # params: each leaf's shard is its size over the mesh axes its spec names
     specs = S.param_specs(CFG, mesh)
     want = 0
-    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=S._is_spec)):
+    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=S._is_spec),
+                       strict=True):
         axes = [a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))]
         want += x.nbytes // int(np.prod([mesh.shape[a] for a in axes]))
     total, per = _per_device_bytes(sp, dev)
@@ -194,7 +196,7 @@ def test_padding_and_an_unbalanced_batch_leave_other_shards_bit_for_bit(params):
     names = [jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_leaves_with_path(state.replace(rng=None))]
     changed0 = False
-    for name, b, a in zip(names, before, after):
+    for name, b, a in zip(names, before, after, strict=False):
         changed0 |= not np.array_equal(a[0], b[0])
         for k in (1, 2, 3):
             if any(pool in name for pool in ("kv_pool", "state_pool")):
@@ -227,6 +229,7 @@ def test_load_places_each_tensor_with_its_sharding(params, tmp_path):
     mesh = S.make_mesh(2, 4)
     _, loaded = kimi_linear.load(tmp_path, mesh=mesh)
     want = S.param_shardings(CFG, mesh)
-    for got, sh, ref in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), jax.tree.leaves(params)):
+    for got, sh, ref in zip(jax.tree.leaves(loaded), jax.tree.leaves(want),
+                            jax.tree.leaves(params), strict=True):
         assert got.sharding == sh
         assert np.array_equal(np.asarray(got), np.asarray(ref))
