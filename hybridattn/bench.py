@@ -2,6 +2,7 @@
 
     python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32] [--plot DIR]
+    python -m hybridattn.bench serve --mesh 2x4 [--json] [--quick]
     python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench longctx [--json] [--quick] [--compare-chunk N] [--plot DIR]
     python -m hybridattn.bench WHAT --from-json FILE --plot DIR   # plot a saved --json run
@@ -23,6 +24,13 @@ weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.ge
 torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
 and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
 of weights and state a step must read, over this machine's measured bandwidth).
+
+``serve --mesh DxT``: the serving step sharded over a ``(data, tensor)`` mesh of ``D*T`` CPU
+devices (``hybridattn.sharding``; ``jax_num_cpu_devices`` is set before JAX starts) on the
+same model: per-device bytes of parameters and pools against their totals, compile time of
+the prefill and decode steps, step times, and whether each data shard's greedy tokens equal
+the unsharded step's. CPU devices share this machine's cores: the times say nothing about
+chips; the bytes and the compile times do.
 
 ``prefix``: the hybrid prefix cache on two workloads, served with and without it by the same
 engine geometry: (a) 16 requests of a 1024-token shared prefix + 32 unique tokens, submitted
@@ -488,6 +496,96 @@ def _conversations(rng, n: int, turns: int, vocab: int, first: int, msg: int,
         rounds.append([p + a + m for p, a, m in zip(rounds[-1], answers[k - 1], msgs[k],
                                                      strict=True)])
     return rounds
+
+
+def bench_serve_mesh(data: int, tensor: int, batch: int = 2, prompt_len: int = 32,
+                     new_tokens: int = 4) -> dict:
+    """``serve --mesh``: the sharded step on a ``data x tensor`` mesh, ``batch`` requests of
+    ``prompt_len`` tokens per data shard, one prefill and ``new_tokens - 1`` decodes."""
+    from hybridattn import sharding
+    from hybridattn.backend import ForwardMode
+    from hybridattn.models import kimi_linear
+    from hybridattn.pools import alloc_reqs_or_raise
+    from hybridattn.serving import ServingState, WorkItem, make_worker_batch, step
+
+    config = serve_config()
+    mesh = sharding.make_mesh(data, tensor)
+    params = kimi_linear.init_params(config, jax.random.key(0))
+    L = prompt_len + new_tokens
+    slots = batch * L + 1
+    sp = sharding.shard_params(params, config, mesh)
+    state = ServingState.create(config, max_running_requests=batch * data, max_context_len=L,
+                                num_token_slots=slots * data, mesh=mesh)
+    run = sharding.ShardedStep(config, mesh)
+    state, rows = run.alloc_rows(state, [batch] * data)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (data, batch, prompt_len)).tolist()
+    pre = dict(vocab_size=config.vocab_size, max_context_len=L, num_requests=batch,
+               num_tokens=batch * prompt_len, kv_width=L, max_extend_len=prompt_len)
+    dec = dict(pre, num_tokens=batch, max_extend_len=1, forward_mode=ForwardMode.DECODE)
+    dev = mesh.devices.flat[0]
+
+    def per_device(tree):
+        leaves = jax.tree.leaves(tree)
+        return (sum(x.nbytes for x in leaves),
+                sum(sh.data.nbytes for x in leaves for sh in x.addressable_shards
+                    if sh.device == dev))
+
+    res: dict = {"mesh": [data, tensor], "devices": data * tensor, "batch_per_shard": batch,
+                 "prompt_len": prompt_len, "new_tokens": new_tokens}
+    for name, tree in (("params", sp), ("pools", state.replace(rng=None))):
+        total, per = per_device(tree)
+        res[f"{name}_bytes"], res[f"{name}_bytes_per_device"] = total, per
+        res[f"{name}_fraction_per_device"] = per / total
+    b = run.make_batch([[WorkItem(r, 0, p) for r, p in zip(rows[k], prompts[k], strict=False)]
+                        for k in range(data)], **pre)
+    tokens, compiled, compile_s, step_s = [], {}, {}, {"prefill": [], "decode": []}
+    for i in range(new_tokens):
+        kind = "prefill" if i == 0 else "decode"
+        if kind not in compiled:
+            t0 = time.perf_counter()
+            compiled[kind] = run.lower(sp, state, b).compile()
+            compile_s[kind] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state, out = compiled[kind](sp, state, b)
+        nxt = np.asarray(out.next_token_ids)
+        step_s[kind].append(time.perf_counter() - t0)
+        tokens.append(nxt)
+        b = run.make_batch([[WorkItem(r, prompt_len + i, [int(nxt[k, j])])
+                             for j, r in enumerate(rows[k])] for k in range(data)], **dec)
+    res["compile_s"] = compile_s
+    res["step_s"] = {k: min(v) for k, v in step_s.items() if v}
+    # the unsharded step on data shard 0's requests: same greedy tokens?
+    ref = ServingState.create(config, max_running_requests=batch, max_context_len=L,
+                              num_token_slots=slots)
+    pool, _ = alloc_reqs_or_raise(ref.req_to_token_pool, batch)
+    ref, one = ref.replace(req_to_token_pool=pool), jax.jit(step, donate_argnums=1)
+    rb = make_worker_batch([WorkItem(r, 0, p)
+                            for r, p in zip(rows[0], prompts[0], strict=True)], **pre)
+    same = True
+    for i in range(new_tokens):
+        ref, out = one(params, ref, rb)
+        got = np.asarray(out.next_token_ids)
+        same &= got.tolist() == tokens[i][0].tolist()
+        rb = make_worker_batch([WorkItem(r, prompt_len + i, [int(t)])
+                                for r, t in zip(rows[0], got, strict=False)], **dec)
+    res["greedy_tokens_equal_unsharded"] = bool(same)
+    return res
+
+
+def _print_serve_mesh(res: dict) -> None:
+    d, t = res["mesh"]
+    print(f"serve --mesh {d}x{t} ({res['devices']} CPU devices), {res['batch_per_shard']} "
+          f"requests x {res['prompt_len']} tokens per data shard, {res['new_tokens']} new")
+    for name in ("params", "pools"):
+        print(f"  {name:6s} {res[f'{name}_bytes'] / 2**20:8.2f} MiB total, "
+              f"{res[f'{name}_bytes_per_device'] / 2**20:8.2f} MiB per device "
+              f"({res[f'{name}_fraction_per_device']:.3f} of total; 1/{res['devices']} = "
+              f"{1 / res['devices']:.3f})")
+    c, s = res["compile_s"], res["step_s"]
+    print("  compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in c.items())
+          + "; step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in s.items()))
+    print(f"  greedy tokens equal the unsharded step's: {res['greedy_tokens_equal_unsharded']}")
 
 
 def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False) -> dict:
@@ -1005,6 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     sv.add_argument("--prompt-len", type=int, default=64)
     sv.add_argument("--new-tokens", type=int, default=16)
+    sv.add_argument("--mesh", default=None, metavar="DxT",
+                    help="run the sharded step on a data x tensor mesh of CPU devices instead")
     sv.add_argument("--no-transformers", action="store_true",
                     help="skip transformers even when torch is installed")
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
@@ -1054,6 +1154,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "prefix":
         return _emit(bench_prefix(quick=args.quick, progress=True), args.json, table,
                      args.what, args.plot)
+    if args.what == "serve" and args.mesh:
+        if args.plot:
+            p.error("--plot draws the unsharded serve table, not --mesh")
+        try:
+            data, tensor = (int(n) for n in args.mesh.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--mesh {args.mesh!r}: expected DATAxTENSOR, e.g. 2x4") from None
+        jax.config.update("jax_num_cpu_devices", data * tensor)  # before JAX starts
+        res = bench_serve_mesh(data, tensor, prompt_len=16 if args.quick else args.prompt_len,
+                               new_tokens=3 if args.quick else 4)
+        return _emit(res, args.json, _print_serve_mesh, args.what, None)
     if args.what == "serve":
         return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,

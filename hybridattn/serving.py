@@ -71,7 +71,7 @@ from servecore.validate import check_int, token_ids
 #   N  decode steps of one ``decode_steps`` call
 
 
-@pytree_dataclass(static=("config",))
+@pytree_dataclass(static=("config", "mesh_shape"))
 class ServingState:
     """Everything a serving step reads and writes (all arrays) plus the static model config.
 
@@ -106,6 +106,7 @@ class ServingState:
     rng: Key[Array, ""]
     config: KimiLinearConfig
     snapshot_pool: RecurrentStatePool | None = None
+    mesh_shape: tuple[int, int] | None = None
 
     @classmethod
     def create(
@@ -119,6 +120,7 @@ class ServingState:
         chunk_size: int = 32,
         seed: int = 0,
         num_snapshot_slots: int = 0,
+        mesh=None,
     ) -> ServingState:
         """Empty pools for ``max_running_requests`` requests of up to ``max_context_len``
         tokens sharing ``num_token_slots`` MLA token slots (slot 0, the sink, included).
@@ -127,7 +129,18 @@ class ServingState:
         ``num_snapshot_slots`` (the sink included; 0: none) sizes the ``snapshot_pool``, a
         ``RecurrentStatePool`` of the same layout whose slots a prefix cache fills with exact
         copies of request states (``step`` takes and restores them). Raises ``ValueError``
-        for a config that is not hybrid (KDA and MLA layers both)."""
+        for a config that is not hybrid (KDA and MLA layers both).
+
+        With a ``(data, tensor)`` ``mesh`` (``hybridattn.sharding.make_mesh``) the state is
+        sharded (``hybridattn.sharding.create_state``): ``data`` stacked shards, each with
+        ``max_running_requests / data`` rows and ``num_token_slots / data`` token slots (its
+        own sinks included), KDA states split by head; ``mesh_shape`` records the mesh."""
+        if mesh is not None:
+            from hybridattn import sharding
+            return sharding.create_state(
+                config, mesh, max_running_requests=max_running_requests,
+                max_context_len=max_context_len, num_token_slots=num_token_slots, dtype=dtype,
+                chunk_size=chunk_size, seed=seed, num_snapshot_slots=num_snapshot_slots)
         kimi_linear._check_supported(config)
         if not config.kda_layer_ids or not config.full_attention_layer_ids:
             raise ValueError(
@@ -602,7 +615,7 @@ def _batch_fits(state: ServingState, batch: ModelWorkerBatch, vocab_size: int):
 
 
 def step(
-    params, state: ServingState, batch: ModelWorkerBatch
+    params, state: ServingState, batch: ModelWorkerBatch, comm=None
 ) -> tuple[ServingState, StepOutput]:
     """One serving step: ``new_state, out = step(params, state, batch)``. Pure; jit it with
     the state donated (``jax.jit(step, donate_argnums=1)``); it compiles once per shape bucket
@@ -616,6 +629,9 @@ def step(
     ``seq_lens`` that disagree with a row's recorded length, a token outside the vocabulary, a
     length beyond the batch's buckets), ``ok`` is False: every request runs as padding, so only
     the slot-0 sinks are written and every live slot is unchanged.
+
+    ``comm`` is for ``hybridattn.sharding``, which runs this step on every device of a mesh
+    with that device's shard of ``params`` and ``state`` (None: one device).
 
     Two prompts in one EXTEND batch; row 2's prompt ``[8, 9, 10, 11]`` comes in two chunks:
 
@@ -706,7 +722,7 @@ def step(
         snapshot_spec=spec,
     )
     backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
-    hidden, fb = kimi_linear.forward(params, cfg, backend, fb)
+    hidden, fb = kimi_linear.forward(params, cfg, backend, fb, comm)
     logits = kimi_linear.compute_logits(params, cfg, hidden[last])
     keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
     tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)

@@ -6,7 +6,7 @@
   ``--jaxtyping-packages`` option in ``pyproject.toml``.
 - tests marked ``mlx`` are skipped where mlx / mlx-lm are not installed.
 - the docs build, which executes the notebooks, is collected first (the longest test).
-- JAX sees 4 CPU devices (``jax_num_cpu_devices``), so sharding tests can build a mesh.
+- JAX sees 8 CPU devices (``jax_num_cpu_devices``), so sharding tests can build a 2x4 mesh.
 - XLA compilations are cached on disk (``.jax_cache/``, git-ignored), so the xdist workers
   share what one of them compiled (the serving step takes seconds to compile) and a rerun
   compiles nothing. ``HYBRIDATTN_JAX_CACHE=0`` switches it off.
@@ -21,7 +21,7 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
-jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_num_cpu_devices", 8)
 
 if os.environ.get("HYBRIDATTN_JAX_CACHE", "1") != "0":
     jax.config.update("jax_compilation_cache_dir",

@@ -22,6 +22,7 @@ HYBRIDATTN_API = [
     "hybridattn.backend",
     "hybridattn.batch",
     "hybridattn.serving",
+    "hybridattn.sharding",
     "hybridattn.engine",
     "hybridattn.scheduler",
     "hybridattn.prefix_cache",

@@ -182,7 +182,7 @@ def to_checkpoint(params: Params) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 
 
-def dense_mlp(p: Params, x: Float[Array, "N D"]) -> Float[Array, "N D"]:
+def dense_mlp(p: Params, x: Float[Array, "N D"], comm=None) -> Float[Array, "N D"]:
     """The SwiGLU MLP of dense layers and shared experts:
     ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
 
@@ -192,9 +192,13 @@ def dense_mlp(p: Params, x: Float[Array, "N D"]) -> Float[Array, "N D"]:
     (128, 32)
     >>> dense_mlp(mlp, jnp.ones((3, 32))).shape
     (3, 32)
+
+    With ``comm`` (``hybridattn.sharding``), ``p`` holds a slice of the intermediate
+    channels and ``comm.reduce_rows`` sums the slices' partial outputs.
     """
-    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]),
-                   p["down_proj"])
+    y = _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]),
+                p["down_proj"])
+    return y if comm is None else comm.reduce_rows(y)
 
 
 def route(
@@ -278,7 +282,7 @@ def _blocked_experts(x, idx, weights, w1, w2, w3):
 
 
 def sparse_moe(
-    p: Params, config: KimiLinearConfig, x: Float[Array, "N D"]
+    p: Params, config: KimiLinearConfig, x: Float[Array, "N D"], comm=None
 ) -> Float[Array, "N D"]:
     """Routed experts plus shared experts, for ``x [N, D]``.
 
@@ -300,12 +304,47 @@ def sparse_moe(
     (4, 32, 32)
     >>> sparse_moe(moe, cfg, jnp.ones((3, 32))).shape
     (3, 32)
+
+    ``comm`` (``hybridattn.sharding``; None: one device) runs the routed part where the
+    experts live: ``comm.routed_experts(x, idx, weights, experts)``.
+    """
+    idx, weights = route(p["gate"], config, x)
+    if comm is None:
+        out = routed_experts(x, idx, weights, p["experts"])
+    else:
+        out = comm.routed_experts(x, idx, weights, p["experts"])
+    if "shared_experts" in p:
+        out = out + dense_mlp(p["shared_experts"], x, comm)
+    return out.astype(x.dtype)
+
+
+def routed_experts(
+    x: Float[Array, "N D"], idx: Int[Array, "N k"], weights: Float[Array, "N k"],
+    experts: Params, first_expert: int | Int[Array, ""] = 0,
+) -> Float[Array, "N D"]:
+    """``sum_j weights[n, j] * expert_{idx[n, j]}(x[n])`` over the experts stacked in
+    ``experts`` (``w1 [E, I, D]``, ``w2 [E, D, I]``, ``w3 [E, I, D]``), which are experts
+    ``first_expert .. first_expert + E - 1`` of the model: pairs routed to any other expert
+    add nothing (a device holding a slice of the experts computes its share of the sum).
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> moe = init_params(cfg, jax.random.key(0))["model"]["layers"][1]["block_sparse_moe"]
+    >>> x = jnp.ones((3, 32))
+    >>> idx, w = route(moe["gate"], cfg, x)
+    >>> halves = [routed_experts(x, idx, w, jax.tree.map(lambda a: a[i:i + 2], moe["experts"]),
+    ...                          first_expert=i) for i in (0, 2)]
+    >>> bool(jnp.allclose(halves[0] + halves[1], routed_experts(x, idx, w, moe["experts"]),
+    ...                   atol=1e-6))
+    True
     """
     N, D = x.shape
-    k, E = config.num_experts_per_token, config.num_experts
-    idx, weights = route(p["gate"], config, x)
-    ex = p["experts"]
-    w1, w2, w3 = (ex[n].astype(x.dtype) for n in ("w1", "w2", "w3"))  # [E,I,D] [E,D,I] [E,I,D]
+    k = idx.shape[1]
+    w1, w2, w3 = (experts[n].astype(x.dtype) for n in ("w1", "w2", "w3"))  # [E,I,D] [E,D,I] [E,I,D]
+    E = w1.shape[0]
+    if not (isinstance(first_expert, int) and first_expert == 0):
+        local = idx - first_expert
+        here = (local >= 0) & (local < E)
+        idx, weights = jnp.clip(local, 0, E - 1), jnp.where(here, weights, 0.0)
     if N * k <= E:
         h = (jax.nn.silu(jnp.einsum("nd,nkid->nki", x, w1[idx]))
              * jnp.einsum("nd,nkid->nki", x, w3[idx]))
@@ -334,9 +373,7 @@ def sparse_moe(
         ys = jax.lax.ragged_dot(h, w2t, group_sizes)  # [N*k, D], sorted by expert
         ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
         out = jnp.zeros((N, D), ys.dtype).at[tokens].add(ys)
-    if "shared_experts" in p:
-        out = out + dense_mlp(p["shared_experts"], x)
-    return out.astype(x.dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +382,8 @@ def sparse_moe(
 
 
 def kda_attention(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
+    comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """KDA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
 
@@ -365,6 +403,9 @@ def kda_attention(
        'q_conv': (64, 1, 4), 'k_conv': (64, 1, 4), 'v_conv': (64, 1, 4)}
     >>> out.shape
     (3, 32)
+
+    Under ``hybridattn.sharding`` ``config`` and ``p`` hold this device's heads and
+    ``comm.reduce_rows`` sums the row-parallel ``o_proj``'s partial outputs.
     """
     T = x.shape[0]
     H, Dk = config.linear_num_heads, config.linear_head_dim
@@ -381,7 +422,8 @@ def kda_attention(
     gate = _linear(_linear(x, p["g_a_proj"]), p["g_b_proj"]).reshape(T, H, Dk)
     o = rms_norm(o, p["o_norm"]["weight"], config.rms_norm_eps)
     o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    return _linear(o.reshape(T, H * Dk), p["o_proj"]), batch
+    out = _linear(o.reshape(T, H * Dk), p["o_proj"])
+    return (out if comm is None else comm.reduce_rows(out)), batch
 
 
 def mla_split(
@@ -410,7 +452,8 @@ def mla_split(
 
 
 def mla_attention(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
+    comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """MLA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
 
@@ -429,11 +472,13 @@ def mla_attention(
     """
     T = x.shape[0]
     o, batch = backend(layer_id, batch, **mla_split(p, config, x))
-    return _linear(o.reshape(T, -1), p["o_proj"]), batch
+    out = _linear(o.reshape(T, -1), p["o_proj"])
+    return (out if comm is None else comm.reduce_rows(out)), batch
 
 
 def decoder_layer(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch
+    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
+    comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """One pre-norm residual block on ``x [T, D]``: ``(x, batch)``. Attention (KDA or MLA by
     ``layer_id``, through ``backend``) then the MLP (dense, or ``sparse_moe`` on MoE layers).
@@ -452,21 +497,22 @@ def decoder_layer(
     """
     h = rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)
     attn = kda_attention if config.is_kda_layer(layer_id) else mla_attention
-    a, batch = attn(p["self_attn"], config, layer_id, h, backend, batch)
+    a, batch = attn(p["self_attn"], config, layer_id, h, backend, batch, comm)
     x = x + a
     h = rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)
     if config.is_moe_layer(layer_id):
-        m = sparse_moe(p["block_sparse_moe"], config, h)
+        m = sparse_moe(p["block_sparse_moe"], config, h, comm)
     else:
-        m = dense_mlp(p["mlp"], h)
+        m = dense_mlp(p["mlp"], h, comm)
     return x + m, batch
 
 
 def forward(
-    params: Params, config: KimiLinearConfig, backend, batch
+    params: Params, config: KimiLinearConfig, backend, batch, comm=None
 ) -> tuple[Float[Array, "T D"], Any]:
     """Serving forward over ``batch.input_ids [T]``: ``(hidden [T, D], batch)`` with the
-    batch's pools updated by every layer. ``backend`` must carry this batch's metadata.
+    batch's pools updated by every layer. ``backend`` must carry this batch's metadata;
+    ``comm`` (None: one device) is how ``hybridattn.sharding`` joins the shards of a mesh.
     ``hybridattn.step`` runs it for you; by hand, one 3-token prompt in row 1 (token slots
     1-3), shapes only (``jax.eval_shape`` compiles nothing):
 
@@ -490,7 +536,7 @@ def forward(
     _check_supported(config)
     x = params["model"]["embed_tokens"]["weight"][batch.input_ids]
     for i, layer in enumerate(params["model"]["layers"]):
-        x, batch = decoder_layer(layer, config, i, x, backend, batch)
+        x, batch = decoder_layer(layer, config, i, x, backend, batch, comm)
     return rms_norm(x, params["model"]["norm"]["weight"], config.rms_norm_eps), batch
 
 
@@ -833,8 +879,9 @@ def _unflatten(node, prefix: str, fetch: Callable[[str], np.ndarray]):
 
 
 def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinearConfig,
-              dtype, source: str, progress: bool = False) -> Params:
-    """Check the tensors ``found`` and read them (``get(name in the file)``) into params;
+              dtype, source: str, progress: bool = False, shardings=None) -> Params:
+    """Check the tensors ``found`` and read them (``get(name in the file)``) into params,
+    each placed with its ``shardings`` leaf when given (host -> its devices' shards);
     ``progress``: a bar of the tensors read."""
     dt = _float_dtype(dtype, "dtype")
     _check_tensors(found, names, config, source)
@@ -848,7 +895,10 @@ def _assemble(get: Callable[[str], np.ndarray], found, names, config: KimiLinear
         return a.astype(np.float32 if _keeps_f32(name) else dt, copy=False)
 
     with bar:
-        return jax.tree.map(jnp.asarray, _unflatten(param_shapes(config), "", fetch))
+        host = _unflatten(param_shapes(config), "", fetch)
+    if shardings is None:
+        return jax.tree.map(jnp.asarray, host)
+    return jax.tree.map(jax.device_put, host, shardings)
 
 
 def from_checkpoint(tensors: Mapping[str, np.ndarray | Array], config: KimiLinearConfig,
@@ -892,7 +942,7 @@ def _weight_files(path: str) -> tuple[dict[str, str] | None, str]:
                             f"{_INDEX_FILE}")
 
 
-def load(path: str | os.PathLike[str], dtype=jnp.float32, *,
+def load(path: str | os.PathLike[str], dtype=jnp.float32, *, mesh=None,
          progress: bool = False) -> tuple[KimiLinearConfig, Params]:
     """Read a Hugging Face checkpoint directory: ``(config, params)``.
 
@@ -900,7 +950,9 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32, *,
     ``model.safetensors.index.json``. Every tensor's name and shape is checked against the
     config before any is read (see ``from_checkpoint`` for the naming, dtypes and
     errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
-    but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``.
+    but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``. With a
+    ``(data, tensor)`` ``mesh`` each tensor goes from the file straight to its shards on
+    the mesh (``hybridattn.sharding.param_shardings``), never whole onto one device.
     ``progress`` shows the tensors read as a tqdm bar on stderr when it is a terminal. The
     directory's tokenizer, if it ships one, is ``load_tokenizer``'s.
 
@@ -957,8 +1009,12 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32, *,
             sl = handles[where[n]].get_slice(n)
             dt = sl.get_dtype()
             found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
+        shardings = None
+        if mesh is not None:
+            from hybridattn.sharding import param_shardings
+            shardings = param_shardings(config, mesh, dtype)
         params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
-                           dtype, path, progress)
+                           dtype, path, progress, shardings)
     return config, params
 
 
@@ -1062,5 +1118,5 @@ __all__ = [
     "from_checkpoint",
     "init_params", "kda_attention", "load", "load_tokenizer", "mla_attention", "mla_split",
     "param_shapes",
-    "rms_norm", "route", "save_pretrained", "sparse_moe", "to_checkpoint",
+    "rms_norm", "route", "routed_experts", "save_pretrained", "sparse_moe", "to_checkpoint",
 ]

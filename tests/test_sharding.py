@@ -1,0 +1,235 @@
+"""The sharded serving step (``hybridattn.sharding``) against the unsharded one, on 8 CPU
+devices (``conftest.py``).
+
+A sharded state is ``D`` single-device states stacked over ``data``; the reference for data
+shard ``k`` is the ordinary ``serving.step`` run on one device with shard ``k``'s requests in
+a state of shard ``k``'s size. Every mesh keeps 2 request rows and 32 token slots per data
+shard, so the reference compiles once for the whole module.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridattn import sharding as S
+from hybridattn.backend import ForwardMode
+from hybridattn.config import KimiLinearConfig
+from hybridattn.models import kimi_linear
+from hybridattn.pools import alloc_reqs_or_raise
+from hybridattn.serving import ServingState, WorkItem, make_worker_batch, step
+
+# 2 layers: 0 KDA + dense MLP, 1 MLA + MoE (8 experts, top-2, one shared); 8 heads each.
+CFG = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64,
+                            linear_num_heads=8, linear_head_dim=8, num_attention_heads=8,
+                            num_experts=8, intermediate_size=64, moe_intermediate_size=16)
+ROWS, SLOTS, L = 2, 32, 16  # per data shard
+PREFILL = dict(vocab_size=64, max_context_len=L, num_requests=ROWS, num_tokens=8, kv_width=L,
+               max_extend_len=8)
+DECODE = dict(vocab_size=64, max_context_len=L, num_requests=ROWS, num_tokens=ROWS,
+              kv_width=L, max_extend_len=1, forward_mode=ForwardMode.DECODE)
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return kimi_linear.init_params(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def ref_step():
+    return jax.jit(step, donate_argnums=1)
+
+
+def _prompts(k):
+    """Shard ``k``'s prompts: two on even shards, one on odd ones (uneven on purpose)."""
+    first = [(3 * k + j) % 60 + 1 for j in range(2 + k % 3)]
+    return [first, [7, (k + 5) % 60 + 1]] if k % 2 == 0 else [first]
+
+
+def _ref_state(n):
+    state = ServingState.create(CFG, max_running_requests=ROWS, max_context_len=L,
+                                num_token_slots=SLOTS)
+    pool, _ = alloc_reqs_or_raise(state.req_to_token_pool, n)
+    return state.replace(req_to_token_pool=pool)
+
+
+def _sharded(mesh_shape, params):
+    mesh = S.make_mesh(*mesh_shape)
+    D = mesh_shape[0]
+    run = S.ShardedStep(CFG, mesh, logits=True)
+    state = ServingState.create(CFG, max_running_requests=ROWS * D, max_context_len=L,
+                                num_token_slots=SLOTS * D, mesh=mesh)
+    return mesh, run, S.shard_params(params, CFG, mesh), state
+
+
+def _close(a, b, what, tol=1e-5):
+    err = float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+    assert err <= tol, f"{what}: max |sharded - unsharded| = {err:.3g}"
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_sharded_prefill_and_decodes_equal_the_unsharded_step(mesh_shape, params, ref_step):
+    D, tensor = mesh_shape
+    mesh, run, sp, state = _sharded(mesh_shape, params)
+    prompts = [_prompts(k) for k in range(D)]
+    state, rows = run.alloc_rows(state, [len(p) for p in prompts])
+    assert rows == [list(range(1, len(p) + 1)) for p in prompts]  # local ids, per shard
+    refs = [_ref_state(len(p)) for p in prompts]
+    items = [[WorkItem(r, 0, ids) for r, ids in zip(rows[k], prompts[k], strict=True)]
+             for k in range(D)]
+    lens = [[len(ids) for ids in p] for p in prompts]
+    batch = run.make_batch(items, **PREFILL)
+    ref_batches = [make_worker_batch(it, **PREFILL) for it in items]
+    for n in range(4):  # one prefill, three decodes
+        state, out = run(sp, state, batch)
+        assert np.asarray(out.ok).all()
+        tokens, logits = np.asarray(out.next_token_ids), np.asarray(out.logits)
+        for k in range(D):
+            refs[k], ref = ref_step(params, refs[k], ref_batches[k])
+            live = len(prompts[k])
+            _close(logits[k, :live], ref.logits[:live], f"step {n} shard {k} logits")
+            assert tokens[k].tolist() == np.asarray(ref.next_token_ids).tolist()
+        items = [[WorkItem(r, lens[k][j], [int(tokens[k, j])])
+                  for j, r in enumerate(rows[k])] for k in range(D)]
+        lens = [[m + 1 for m in ls] for ls in lens]
+        batch = run.make_batch(items, **DECODE)
+        ref_batches = [make_worker_batch(it, **DECODE) for it in items]
+    pools, kv = state.recurrent_state_pool, state.token_to_kv_pool
+    for k in range(D):
+        _close(np.asarray(pools.ssm[0])[k], refs[k].recurrent_state_pool.ssm[0],
+               f"shard {k} KDA state")
+        _close(S.natural_conv(jnp.asarray(np.asarray(pools.conv[0])[k]), tensor),
+               refs[k].recurrent_state_pool.conv[0], f"shard {k} conv state")
+        _close(np.asarray(kv.c_kv[0])[k], refs[k].token_to_kv_pool.c_kv[0], f"shard {k} c_kv")
+        _close(np.asarray(kv.k_pe[0])[k], refs[k].token_to_kv_pool.k_pe[0], f"shard {k} k_pe")
+        assert np.array_equal(np.asarray(state.req_to_token_pool.req_to_token)[k],
+                              refs[k].req_to_token_pool.req_to_token)
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    """Result shapes of each collective op in an HLO module's text."""
+    found: dict[str, list[str]] = {}
+    for m in re.finditer(r"= (\S+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute)(-start)?\(", hlo):
+        found.setdefault(m.group(2), []).append(m.group(1))
+    return found
+
+
+def test_the_2x4_step_keeps_shardings_and_holds_only_activation_collectives(params):
+    mesh, run, sp, state = _sharded((2, 4), params)
+    state, rows = run.alloc_rows(state, [2, 1])
+    batch = run.make_batch([[WorkItem(1, 0, [1, 2, 3]), WorkItem(2, 0, [4])],
+                            [WorkItem(1, 0, [5, 6])]], **PREFILL)
+    before = [x.sharding for x in jax.tree.leaves(state)]
+    hlo = run.lower(sp, state, batch).compile().as_text()
+    new, out = run(sp, state, batch)
+    assert [x.sharding for x in jax.tree.leaves(new)] == before  # donation can reuse buffers
+    assert out.next_token_ids.sharding.spec == S.BATCH_SPEC
+    ops = _collectives(hlo)
+    # KDA o_proj, dense MLP, MLA o_proj, routed experts (over tensor), shared experts: one
+    # all-reduce each (XLA may merge some); the MoE gathers tokens / routes over data and
+    # scatters the expert sums back. Nothing else.
+    assert 1 <= len(ops.get("all-reduce", [])) <= 5, ops
+    assert 1 <= len(ops.get("all-gather", [])) <= 3, ops
+    assert len(ops.get("reduce-scatter", [])) == 1, ops
+    assert "all-to-all" not in ops
+    T_all = 2 * PREFILL["num_tokens"]  # every data shard's tokens
+    for shape in ops["all-gather"]:  # activations only: never a pool or a weight
+        dims = [int(d) for d in re.findall(r"\d+", shape.split("[")[1].split("]")[0])]
+        assert dims[0] == T_all and np.prod(dims) <= T_all * CFG.hidden_size, shape
+
+
+def _per_device_bytes(tree, device):
+    total = per = 0
+    for x in jax.tree.leaves(tree):
+        total += x.nbytes
+        per += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+    return total, per
+
+
+def test_per_device_bytes_follow_the_table(params):
+    mesh, run, sp, state = _sharded((2, 4), params)
+    dev = mesh.devices.flat[0]
+    # KDA states: split over all 8 devices; MLA latents: over data only (no head axis)
+    pools = state.recurrent_state_pool
+    total, per = _per_device_bytes(pools.ssm, dev)
+    assert per * 8 == total
+    total, per = _per_device_bytes(state.token_to_kv_pool, dev)
+    assert per * 2 == total
+    # params: each leaf's shard is its size over the mesh axes its spec names
+    specs = S.param_specs(CFG, mesh)
+    want = 0
+    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=S._is_spec),
+                       strict=True):
+        axes = [a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))]
+        want += x.nbytes // int(np.prod([mesh.shape[a] for a in axes]))
+    total, per = _per_device_bytes(sp, dev)
+    assert per == want
+    experts = [x for path, x in jax.tree_util.tree_leaves_with_path(sp)
+               if "experts" in jax.tree_util.keystr(path) and "shared" not in
+               jax.tree_util.keystr(path)]
+    e_total, e_per = _per_device_bytes(experts, dev)
+    assert e_per * 8 == e_total
+
+
+def test_padding_and_an_unbalanced_batch_leave_other_shards_bit_for_bit(params):
+    """Every live request on data shard 0; shards 1-3 run padding only. Their pools, tables
+    and allocators are unchanged bit for bit but for their own slot-0 sinks, which only their
+    own padding rows touch."""
+    mesh, run, sp, state = _sharded((4, 2), params)
+    state, rows = run.alloc_rows(state, [2, 1, 0, 1])
+    first = run.make_batch([[WorkItem(1, 0, [1, 2, 3])], [WorkItem(1, 0, [4, 5])], [],
+                            [WorkItem(1, 0, [9])]], **PREFILL)
+    state, _ = run(sp, state, first)
+    host = lambda st: [np.asarray(x) for x in jax.tree.leaves(st.replace(rng=None))]
+    before = host(state)
+    batch = run.make_batch([[WorkItem(1, 3, [7]), WorkItem(2, 0, [8, 9, 10])], [], [], []],
+                           **PREFILL)
+    state, out = run(sp, state, batch)
+    assert np.asarray(out.ok).all()
+    after = host(state)
+    names = [jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(state.replace(rng=None))]
+    changed0 = False
+    for name, b, a in zip(names, before, after, strict=False):
+        changed0 |= not np.array_equal(a[0], b[0])
+        for k in (1, 2, 3):
+            if any(pool in name for pool in ("kv_pool", "state_pool")):
+                a_k, b_k = a[k][1:], b[k][1:]  # slot 0 is the shard's own sink
+            else:
+                a_k, b_k = a[k], b[k]
+            assert np.array_equal(a_k, b_k), f"{name} of data shard {k} changed"
+    assert changed0
+
+
+def test_divisibility_errors_name_the_count():
+    with pytest.raises(ValueError, match=r"linear_num_heads=6 is not divisible by the mesh's "
+                                         r"tensor size 4"):
+        S.ShardedStep(KimiLinearConfig.tiny(linear_num_heads=6, num_attention_heads=8,
+                                            num_experts=8), S.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by the mesh's "
+                                         r"data\*tensor size 8"):
+        S.param_specs(KimiLinearConfig.tiny(linear_num_heads=8, num_attention_heads=8),
+                      S.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"max_running_requests=3 is not divisible by the "
+                                         r"mesh's data size 2"):
+        ServingState.create(CFG, max_running_requests=3, max_context_len=8,
+                            num_token_slots=32, mesh=S.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"mesh axes are \('x',\)"):
+        S.mesh_sizes(jax.make_mesh((2,), ("x",)))
+
+
+def test_load_places_each_tensor_with_its_sharding(params, tmp_path):
+    kimi_linear.save_pretrained(params, CFG, tmp_path)
+    mesh = S.make_mesh(2, 4)
+    _, loaded = kimi_linear.load(tmp_path, mesh=mesh)
+    want = S.param_shardings(CFG, mesh)
+    for got, sh, ref in zip(jax.tree.leaves(loaded), jax.tree.leaves(want),
+                            jax.tree.leaves(params), strict=True):
+        assert got.sharding == sh
+        assert np.array_equal(np.asarray(got), np.asarray(ref))
