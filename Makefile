@@ -1,4 +1,4 @@
-# The two commands a newcomer needs: `make demo` and `make test`.
+# The two commands a newcomer needs: `make demo` and `make test` (CI also runs `make lint`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -37,8 +37,9 @@ bench: $(STAMP)
 	$(PY) -m hybridattn.bench kda
 	$(PY) -m hybridattn.bench serve
 
+# ruff over the whole tree: the packages, tests, docs/_ext and the notebooks.
 lint: $(STAMP)
-	$(PY) -m ruff check hybridattn mlxcache servecore tests
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site .cache
