@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,12 +31,6 @@ MACHINE_SETTINGS = settings(max_examples=20, stateful_step_count=20)
 def host(tree):
     """A pytree's leaves as numpy arrays (same structure)."""
     return jax.tree.map(np.asarray, tree)
-
-
-def assert_tree_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def free_list(allocator: SlotAllocator) -> list[int]:
@@ -90,7 +85,7 @@ class SlotAllocatorMachine(RuleBasedStateMachine):
         self.allocator = self.ref.alloc(count, new, slots, ok)
         if not bool(ok):
             event("alloc failed")
-            assert_tree_equal(new, before)  # the free stack itself is untouched
+            chex.assert_trees_all_equal(new, before)  # the free stack itself is untouched
 
     @rule(data=st.data(), use_mask=st.booleans())
     def free_some(self, data, use_mask):
@@ -146,7 +141,7 @@ def make_hybrid_machine(max_reqs: int, num_state_slots: int):
             if not self.ref.can_alloc(count):  # both allocators (and all else) unchanged
                 event("failed: " + ("rows" if count > len(self.ref.free_rows)
                                     else "state slots"))
-                assert_tree_equal(new, before)
+                chex.assert_trees_all_equal(new, before)
             # ok iff rows and state slots were free; distinct free rows, each with a distinct
             # free state slot; new rows all zeros
             self.pool = self.ref.alloc_reqs(count, new, rows, ok)
@@ -280,7 +275,7 @@ def test_alloc_argument_errors():
     # a traced count above max_count cannot raise: it fails like exhaustion
     new, slots, ok = alloc_jit(a, jnp.int32(MAX_COUNT + 1))
     assert not bool(ok) and not np.asarray(slots).any()
-    assert_tree_equal(new, a)
+    chex.assert_trees_all_equal(new, a)
 
 
 def test_alloc_or_raise():
@@ -311,13 +306,13 @@ def test_hybrid_failed_alloc_leaves_both_allocators():
     assert bool(ok) and np.asarray(rows).tolist() == [1, 2, 0]
     new, rows, ok = alloc_reqs_jit(pool, jnp.int32(1))
     assert not bool(ok) and not np.asarray(rows).any()
-    assert_tree_equal(new, pool)
+    chex.assert_trees_all_equal(new, pool)
     # state slots available, rows exhausted
     pool = HybridReqToTokenPool.create(2, CTX, num_state_slots=8)
     pool, _, ok = alloc_reqs_jit(pool, jnp.int32(2))
     new, _, ok2 = alloc_reqs_jit(pool, jnp.int32(1))
     assert bool(ok) and not bool(ok2)
-    assert_tree_equal(new, pool)
+    chex.assert_trees_all_equal(new, pool)
     assert pool.num_state_slots == 8 and pool.max_running_requests == 2
 
 
@@ -468,8 +463,8 @@ def test_pytree_map_eval_shape_and_jit(name):
     assert [x.shape for x in jax.tree.leaves(shapes)] == [x.shape for x in jax.tree.leaves(pool)]
     # created inside jit, passed through jit: same type, same static fields
     made = jax.jit(ALL_POOLS[name])()
-    assert_tree_equal(made, pool)
-    assert_tree_equal(jax.jit(lambda p: p)(pool), pool)
+    chex.assert_trees_all_equal(made, pool)
+    chex.assert_trees_all_equal(jax.jit(lambda p: p)(pool), pool)
 
 
 def test_layer_ids_are_static():
