@@ -49,35 +49,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import llama
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache
 
 from mlxcache import zoo
 from mlxcache.engine import Engine
 from mlxcache.pool import init_pool, set_kv
+from mlxcache.zoo import make_model  # the llama
 
-VOCAB = 1000
+VOCAB = 1000  # every model's vocabulary, make_model's included
 REPEATS = 5
 WINDOW = 128
 """gemma3_text's sliding window: shorter than the 512-token shared prefix."""
-
-
-def make_model(seed: int = 0) -> llama.Model:
-    """The benchmark model: llama, hidden 128, 2 layers, 4 heads, 2 KV heads, f32."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def make_hybrid(seed: int = 0):

@@ -35,7 +35,7 @@ Examples:
     A tiny random llama (mlx-lm's own class; any ``mlx_lm.load``-ed model serves the same way),
     two prompts that share a prefix, then a follow-up turn that reuses prompt and answer:
 
-    >>> from mlxcache.bench import make_model
+    >>> from mlxcache.zoo import make_model
     >>> engine = Engine(make_model(), num_slots=256)
     >>> first, second = engine.generate([[5, 6, 7, 8], [5, 6, 7, 9]], max_tokens=3)
     >>> len(first), len(second), engine.stats.cached_tokens   # [5, 6, 7] was reused
@@ -531,7 +531,7 @@ class Engine:
       exact.
 
     Examples:
-        >>> from mlxcache.bench import make_model     # a tiny random llama, or mlx_lm.load(path)
+        >>> from mlxcache.zoo import make_model     # a tiny random llama, or mlx_lm.load(path)
         >>> engine = Engine(make_model(), num_slots=128, max_batch_size=4)
         >>> engine.num_slots, engine.num_free_slots
         (128, 127)
@@ -729,7 +729,7 @@ class Engine:
         free. Not counted in ``stats.token_evictions``.
 
         Examples:
-            >>> from mlxcache.bench import make_model
+            >>> from mlxcache.zoo import make_model
             >>> engine = Engine(make_model(), num_slots=64)
             >>> events = engine.stream([[1, 2, 3, 4]], max_tokens=4)
             >>> _ = next(events)                          # running: its prompt is locked
@@ -769,7 +769,7 @@ class Engine:
         see ``stream``.
 
         Examples:
-            >>> from mlxcache.bench import make_model
+            >>> from mlxcache.zoo import make_model
             >>> engine = Engine(make_model(), num_slots=64)
             >>> outs = engine.generate([[1, 2, 3], [4, 5]], max_tokens=[2, 3],
             ...                        temperature=[0.0, 0.8], seed=[None, 7])

@@ -8,7 +8,8 @@ least one linear-attention / SSM / conv layer (``ArraysCache``) and one full-att
 (``KVCache``); ``gemma3_text`` and ``gpt_oss`` have one sliding layer (``RotatingKVCache``,
 window ``SLIDING_WINDOW`` = 8, shorter than a test prompt) and one full layer; ``llama4``
 has three chunked layers (``ChunkedKVCache``, chunk 8) and one global layer. ``llama`` is the
-plain-``KVCache`` baseline. ``make`` builds one, ``cache_kinds`` says which caches it uses:
+plain-``KVCache`` baseline. ``make`` builds one, ``cache_kinds`` says which caches it uses
+(``make_model`` is apart: the examples' and the benchmark's llama, a little larger):
 
 ====================  =================================================================
 family                caches (``make_prompt_cache``)
@@ -57,6 +58,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "VOCAB",
     "cache_kinds",
     "make",
+    "make_model",
     "reference_generate",
     "reference_generate_chunked",
     "support_table",
@@ -398,6 +401,37 @@ def make(family: str, seed: int = 0, **overrides: Any) -> nn.Module:
     _perturb_constants(model)
     if family in EMBED_SCALE:
         _scale_embedding(model, EMBED_SCALE[family])
+    mx.eval(model.parameters())
+    return model
+
+
+def make_model(seed: int = 0) -> llama.Model:
+    """The examples' model: mlx-lm's ``llama.Model``, hidden 128, 2 layers, 4 heads, 2 KV
+    heads, vocabulary 1000, float32, random weights drawn from ``seed``.
+
+    Not a ``FAMILIES`` entry: mlx-lm's initialisation as it is (no ``CONSTANT_NOISE``), the
+    model of the docstring examples, the MLX notebook and ``python -m mlxcache.bench``
+    (whose outputs and figures depend on these exact weights). ``mx.random`` is reseeded.
+
+    Examples:
+        >>> model = make_model()
+        >>> model.args.hidden_size, len(model.layers), model.args.vocab_size
+        (128, 2, 1000)
+        >>> cache_kinds(model)
+        ('KVCache',)
+    """
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=1000,
+    )
+    model = llama.Model(args)
     mx.eval(model.parameters())
     return model
 
