@@ -1,4 +1,4 @@
-"""MLA attention over the paged latent pool, key block by key block (DESIGN §1.7).
+"""MLA attention over the paged latent pool, key block by key block.
 
 The pool keeps, per MLA layer, ``c_kv [S, r]`` and ``k_pe [S, dr]`` of every token slot; a
 request's tokens are the slots of its page-table row ``page_table[b, :seq_lens[b]]``. The

@@ -12,7 +12,8 @@ Layouts (per token, heads before channels)::
     beta   [B, T, H]       write strength in [0, 1]
     state  [B, H, Dk, Dv]  float32; rows (Dk) decay, the delta rule writes k (x) u
 
-The recurrence, per head (DESIGN.md section 1.2)::
+The recurrence, per head (as in ``docs/design.md``, *The model, from the cache's point of
+view*)::
 
     S' = diag(exp(g_t)) S_{t-1}
     S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
@@ -137,7 +138,7 @@ def kda_gate(
 
     ``a`` is the gate projection ``f_b_proj(f_a_proj(x))`` reshaped to ``[..., H, Dk]``;
     ``A_log`` has ``H`` elements (checkpoint shape ``[1, 1, H, 1]``, or ``[H]``), ``dt_bias``
-    ``H * Dk`` (``[H * Dk]`` or ``[H, Dk]``). Two formulas (DESIGN.md section 1.2)::
+    ``H * Dk`` (``[H * Dk]`` or ``[H, Dk]``). Two formulas (the first as in ``docs/design.md``)::
 
         g = -exp(A_log) * softplus(a + dt_bias)                        # lower_bound is None
         g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))          # lower_bound < 0
