@@ -73,23 +73,6 @@ __all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_
            "default_chunked_prefill_size", "default_max_running_requests"]
 
 
-# The jitted functions are shared by every engine (a second engine of the same config and
-# pool sizes reuses the compilations); _TRACES counts traces, i.e. compilations.
-_TRACES = [0]
-
-
-def _counted(fn):
-    def traced(*args, **kwargs):
-        _TRACES[0] += 1  # runs only while tracing
-        return fn(*args, **kwargs)
-    return traced
-
-
-_step = jax.jit(_counted(step), donate_argnums=1)
-_release = jax.jit(_counted(release), donate_argnums=0)
-_alloc_row = jax.jit(_counted(lambda pool: alloc_reqs(pool, 1, 1)))
-
-
 def _admit_with_prefix(state: ServingState, lens, slots, computed):
     """A row for one request that borrows a cached prefix: allocate it, point its first
     ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
@@ -98,10 +81,40 @@ def _admit_with_prefix(state: ServingState, lens, slots, computed):
     return state, rows, ok
 
 
-_admit = jax.jit(_counted(_admit_with_prefix), donate_argnums=0)
-_borrow = jax.jit(_counted(borrow_prefix), donate_argnums=0)
-_free_tokens = jax.jit(_counted(lambda s, slots: s.replace(
-    token_allocator=free(s.token_allocator, slots))), donate_argnums=0)
+def _step_tokens(params, state: ServingState, batch):
+    """``serving.step`` without the logits (the engine samples on the device and never reads
+    them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
+    new, out = step(params, state, batch)
+    return new, out._replace(logits=None)
+
+
+class _Compiled:
+    """One engine's own jitted functions (the step with its state donated, row allocation,
+    release, prefix borrowing, slot frees) and ``traces``, how many times any of them was
+    traced: each trace is a compilation. Nothing is shared between engines, so an engine's
+    compilation counts are its own; within one engine a shape bucket compiles once.
+
+    >>> c = _Compiled()
+    >>> c.traces, c.step is _Compiled().step
+    (0, False)
+    """
+
+    def __init__(self):
+        self.traces = 0
+        count = self._counted
+        self.step = jax.jit(count(_step_tokens), donate_argnums=1)
+        self.release = jax.jit(count(release), donate_argnums=0)
+        self.alloc_row = jax.jit(count(lambda pool: alloc_reqs(pool, 1, 1)))
+        self.admit = jax.jit(count(_admit_with_prefix), donate_argnums=0)
+        self.borrow = jax.jit(count(borrow_prefix), donate_argnums=0)
+        self.free_tokens = jax.jit(count(lambda s, slots: s.replace(
+            token_allocator=free(s.token_allocator, slots))), donate_argnums=0)
+
+    def _counted(self, fn):
+        def traced(*args, **kwargs):
+            self.traces += 1  # runs only while tracing
+            return fn(*args, **kwargs)
+        return traced
 
 
 def available_memory_bytes() -> int:
@@ -684,6 +697,7 @@ class Engine:
         self._outbox: list[tuple[int, int, bool]] = []  # tokens of add_request requests
         self._orphans: deque[int] = deque()  # rids of streams dropped mid-transaction
         self._busy = 0  # depth of transactions (rounds, aborts) in progress
+        self._jit = _Compiled()  # this engine's own compilations
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -695,11 +709,15 @@ class Engine:
             finally:
                 self._busy -= 1
 
+    def _traces(self) -> int:
+        """Traces (compilations) of this engine's jitted functions so far."""
+        return self._jit.traces
+
     def _call(self, fn, *args, **kwargs):
-        """Run a shared jitted function, counting the compilations it needed."""
-        before = _TRACES[0]
+        """Run one of this engine's jitted functions, counting the compilations it needed."""
+        before = self._traces()
         out = fn(*args, **kwargs)
-        self.stats.num_compilations += _TRACES[0] - before
+        self.stats.num_compilations += self._traces() - before
         return out
 
     # ---------------------------------------------------------------------------------------
@@ -874,9 +892,9 @@ class Engine:
         )
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,))
-        traces = _TRACES[0]
+        traces = self._traces()
         t0 = time.perf_counter()
-        self.state, out = self._call(_step, self.params, self.state, batch)
+        self.state, out = self._call(self._jit.step, self.params, self.state, batch)
         tokens = np.asarray(out.next_token_ids).tolist()
         if not bool(out.ok):  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
@@ -885,7 +903,7 @@ class Engine:
         s = self.stats
         s.buckets.add(key)
         s.steps += 1
-        if _TRACES[0] > traces:  # this call compiled
+        if self._traces() > traces:  # this call compiled
             s.compiled_buckets.append(key)
             s.compile_seconds += now - t0
         elif plan.prompt_tokens:
@@ -911,13 +929,13 @@ class Engine:
         """Allocate the admitted request's row on the device; with a cache hit the row also
         borrows the matched KV and records the restored depth. Returns the row."""
         if self.scheduler.tree is None:
-            pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
+            pool, rows, ok = self._call(self._jit.alloc_row, self.state.req_to_token_pool)
             new = self.state.replace(req_to_token_pool=pool)
         else:
             W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
             slots = np.zeros((1, W), np.int32)
             slots[0, : adm.borrowed] = adm.slots
-            new, rows, ok = self._call(_admit, self.state, jnp.asarray([adm.borrowed], jnp.int32),
+            new, rows, ok = self._call(self._jit.admit, self.state, jnp.asarray([adm.borrowed], jnp.int32),
                                        jnp.asarray(slots), jnp.asarray([adm.computed], jnp.int32))
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
@@ -935,12 +953,12 @@ class Engine:
                 n = 1 << max(len(op.slots) - 1, 0).bit_length()  # one compile per power of 2
                 slots = np.zeros(n, np.int32)
                 slots[: len(op.slots)] = op.slots
-                self.state = self._call(_free_tokens, self.state, jnp.asarray(slots))
+                self.state = self._call(self._jit.free_tokens, self.state, jnp.asarray(slots))
             elif isinstance(op, Borrow):
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
                 slots[0, : len(op.slots)] = op.slots
-                self.state = self._call(_borrow, self.state, jnp.asarray([op.req.row], jnp.int32),
+                self.state = self._call(self._jit.borrow, self.state, jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
             elif isinstance(op, Release):
@@ -952,13 +970,13 @@ class Engine:
         rows = np.zeros(R, np.int32)
         rows[: len(done)] = [r.row for r in done]
         if self.scheduler.tree is None:
-            return self._call(_release, self.state, jnp.asarray(rows))
+            return self._call(self._jit.release, self.state, jnp.asarray(rows))
         keep = np.full(R, self.max_context_len, np.int32)
         keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
                              for r in done]
         snaps = np.zeros(R, np.int32)
         snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
-        return self._call(_release, self.state, jnp.asarray(rows), keep_from=jnp.asarray(keep),
+        return self._call(self._jit.release, self.state, jnp.asarray(rows), keep_from=jnp.asarray(keep),
                           snapshot_slots=jnp.asarray(snaps))
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
