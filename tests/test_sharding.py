@@ -359,3 +359,25 @@ def test_engine_mesh_errors_name_the_value(params):
                                          r"shard's token pool holds.*per data shard \(of 2\)"):
         eng.add_request([1] * 20, 1)
     assert not eng.has_unfinished()
+
+
+@pytest.mark.mlx
+def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
+    """The independent oracle: mlx-lm's Kimi-Linear reading the same checkpoint, greedy, one
+    request at a time with its own caches."""
+    mx = pytest.importorskip("mlx.core")
+    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
+    from harness import mlx_greedy
+
+    kimi_linear.save_pretrained(params, CFG, tmp_path)
+    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
+    weights = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    _, eng = engines
+    prompts, news = _workload()
+    got = [[] for _ in prompts]
+    for i, tok in eng.stream(prompts[:8], 4):  # 8 requests on 4 rows: some wait
+        got[i].append(tok)
+    assert got[:8] == [mlx_greedy(model, p, 4) for p in prompts[:8]]
