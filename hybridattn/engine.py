@@ -90,33 +90,58 @@ def _step_tokens(params, state: ServingState, batch):
     return new, out._replace(logits=None)
 
 
+def _alloc_row(pool):
+    return alloc_reqs(pool, 1, 1)
+
+
+def _free_tokens(state: ServingState, slots):
+    return state.replace(token_allocator=free(state.token_allocator, slots))
+
+
+def _signature(args, kwargs) -> tuple:
+    """What a jitted function compiles for: the arguments' tree (static fields included) and
+    every leaf's shape and dtype."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves)
+
+
 class _Compiled:
     """One engine's own jitted functions (the step with its state donated, row allocation,
-    release, prefix borrowing, slot frees) and ``traces``, how many times any of them was
-    traced: each trace is a compilation. Nothing is shared between engines, so an engine's
-    compilation counts are its own; within one engine a shape bucket compiles once.
+    release, prefix borrowing, slot frees), built when the engine is, and ``count``, the
+    compilations this engine has needed: the distinct argument signatures (shape buckets) it
+    has called them with. Nothing here is module-level, so two engines keep apart counts;
+    within one engine a shape bucket is prepared once. (JAX itself keys its in-process and
+    on-disk caches on the function and the shapes, so a second engine of the same geometry
+    gets the executable of the first without tracing the model again; each engine still
+    counts every bucket it needed.)
 
     >>> c = _Compiled()
-    >>> c.traces, c.step is _Compiled().step
+    >>> c.count, c.step is _Compiled().step
     (0, False)
+    >>> c.call(c.alloc_row, ServingState.create(KimiLinearConfig.tiny(
+    ...     num_hidden_layers=2, hidden_size=32, vocab_size=64), max_running_requests=1,
+    ...     max_context_len=4, num_token_slots=5).req_to_token_pool)[1].tolist(), c.count
+    ([1], 1)
     """
 
     def __init__(self):
-        self.traces = 0
-        count = self._counted
-        self.step = jax.jit(count(_step_tokens), donate_argnums=1)
-        self.release = jax.jit(count(release), donate_argnums=0)
-        self.alloc_row = jax.jit(count(lambda pool: alloc_reqs(pool, 1, 1)))
-        self.admit = jax.jit(count(_admit_with_prefix), donate_argnums=0)
-        self.borrow = jax.jit(count(borrow_prefix), donate_argnums=0)
-        self.free_tokens = jax.jit(count(lambda s, slots: s.replace(
-            token_allocator=free(s.token_allocator, slots))), donate_argnums=0)
+        self.count = 0
+        self._seen: set = set()
+        self.step = jax.jit(_step_tokens, donate_argnums=1)
+        self.release = jax.jit(release, donate_argnums=0)
+        self.alloc_row = jax.jit(_alloc_row)
+        self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
+        self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
+        self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
 
-    def _counted(self, fn):
-        def traced(*args, **kwargs):
-            self.traces += 1  # runs only while tracing
-            return fn(*args, **kwargs)
-        return traced
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, counting a signature this engine has not used before."""
+        key = (fn, _signature(args, kwargs))
+        out = fn(*args, **kwargs)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.count += 1
+        return out
 
 
 def available_memory_bytes() -> int:
@@ -358,9 +383,10 @@ class EngineStats(ServingStats):
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
     Here: ``steps``; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
-    cache stored / evicted; ``num_compilations``: traces of the engine's jitted functions (the step,
-    one per new shape bucket, plus row allocation and release); ``buckets``: the ``(mode, B,
-    T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that compiled.
+    cache stored / evicted; ``num_compilations``: compilations this engine needed (its own count: the
+    step, one per new shape bucket, plus row allocation and release; JAX may load one from its
+    cache when another engine of the same geometry compiled it); ``buckets``: the ``(mode, B,
+    T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were new to it.
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -750,9 +776,10 @@ class Engine:
             finally:
                 self._busy -= 1
 
-    def _traces(self) -> int:
-        """Traces (compilations) of this engine's jitted functions so far."""
-        return self._jit.traces + (0 if self._sharded is None else self._sharded.trace_count)
+    def _compilations(self) -> int:
+        """Compilations this engine has needed so far (``_Compiled.count``, or the traces of
+        its ``ShardedStep`` under a mesh)."""
+        return self._jit.count + (0 if self._sharded is None else self._sharded.trace_count)
 
     @staticmethod
     def _check_mesh(config, mesh, prefix_cache, max_running_requests, num_token_slots) -> int:
@@ -787,10 +814,13 @@ class Engine:
         return D
 
     def _call(self, fn, *args, **kwargs):
-        """Run one of this engine's jitted functions, counting the compilations it needed."""
-        before = self._traces()
-        out = fn(*args, **kwargs)
-        self.stats.num_compilations += self._traces() - before
+        """Run one of this engine's jitted functions, counting a compilation it needed."""
+        before = self._compilations()
+        if self._sharded is None:
+            out = self._jit.call(fn, *args, **kwargs)
+        else:  # the ShardedStep's own functions: they count their traces
+            out = fn(*args, **kwargs)
+        self.stats.num_compilations += self._compilations() - before
         return out
 
     # ---------------------------------------------------------------------------------------
@@ -964,7 +994,7 @@ class Engine:
                      snapshot_chunk=self.scheduler.chunk_size)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,))
-        traces = self._traces()
+        traces = self._compilations()
         t0 = time.perf_counter()
         if self._sharded is None:
             batch = make_worker_batch(plan.items(), **shape)
@@ -980,7 +1010,7 @@ class Engine:
         s = self.stats
         s.buckets.add(key)
         s.steps += 1
-        if self._traces() > traces:  # this call compiled
+        if self._compilations() > traces:  # this call compiled
             s.compiled_buckets.append(key)
             s.compile_seconds += now - t0
         elif plan.prompt_tokens:
