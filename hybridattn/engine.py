@@ -383,10 +383,11 @@ class EngineStats(ServingStats):
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
     Here: ``steps``; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
-    cache stored / evicted; ``num_compilations``: compilations this engine needed (its own count: the
-    step, one per new shape bucket, plus row allocation and release; JAX may load one from its
-    cache when another engine of the same geometry compiled it); ``buckets``: the ``(mode, B,
-    T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were new to it.
+    cache stored / evicted; ``num_compilations``: compilations this engine needed (its own
+    count: the step, one per new shape bucket, plus row allocation and release; JAX may load
+    one from its cache when another engine of the same geometry compiled it); ``buckets``: the
+    ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
+    new to it.
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -1046,7 +1047,8 @@ class Engine:
             W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
             slots = np.zeros((1, W), np.int32)
             slots[0, : adm.borrowed] = adm.slots
-            new, rows, ok = self._call(self._jit.admit, self.state, jnp.asarray([adm.borrowed], jnp.int32),
+            new, rows, ok = self._call(self._jit.admit, self.state,
+                                       jnp.asarray([adm.borrowed], jnp.int32),
                                        jnp.asarray(slots), jnp.asarray([adm.computed], jnp.int32))
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
@@ -1072,7 +1074,8 @@ class Engine:
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
                 slots[0, : len(op.slots)] = op.slots
-                self.state = self._call(self._jit.borrow, self.state, jnp.asarray([op.req.row], jnp.int32),
+                self.state = self._call(self._jit.borrow, self.state,
+                                        jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
             elif isinstance(op, Release):
@@ -1107,8 +1110,8 @@ class Engine:
                              for r in done]
         snaps = np.zeros(R, np.int32)
         snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
-        return self._call(self._jit.release, self.state, jnp.asarray(rows), keep_from=jnp.asarray(keep),
-                          snapshot_slots=jnp.asarray(snaps))
+        return self._call(self._jit.release, self.state, jnp.asarray(rows),
+                          keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row (a device read)."""

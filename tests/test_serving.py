@@ -182,7 +182,7 @@ def test_compilations_bounded_over_200_steps():
         eng.step()
         steps += 1
     assert len(eng.stats.buckets) >= 3  # the composition did change
-    # at most one compilation per step bucket (each engine compiles its own steps) ...
+    # at most one compilation per step bucket (each engine counts its own) ...
     compiled = eng.stats.compiled_buckets
     assert len(compiled) == len(set(compiled)) and set(compiled) <= eng.stats.buckets
     # ... plus, once each, the row admission and prefix borrowing (per kv bucket: one here),
