@@ -56,6 +56,8 @@ from hybridattn.scheduler import (
     Release,
     Request,
     Scheduler,
+    ShardedPlan,
+    ShardedScheduler,
     StepPlan,
     bucket,
     kv_ladder,
@@ -73,23 +75,6 @@ __all__ = ["Engine", "EngineStats", "MemoryReport", "Stream", "available_memory_
            "default_chunked_prefill_size", "default_max_running_requests"]
 
 
-# The jitted functions are shared by every engine (a second engine of the same config and
-# pool sizes reuses the compilations); _TRACES counts traces, i.e. compilations.
-_TRACES = [0]
-
-
-def _counted(fn):
-    def traced(*args, **kwargs):
-        _TRACES[0] += 1  # runs only while tracing
-        return fn(*args, **kwargs)
-    return traced
-
-
-_step = jax.jit(_counted(step), donate_argnums=1)
-_release = jax.jit(_counted(release), donate_argnums=0)
-_alloc_row = jax.jit(_counted(lambda pool: alloc_reqs(pool, 1, 1)))
-
-
 def _admit_with_prefix(state: ServingState, lens, slots, computed):
     """A row for one request that borrows a cached prefix: allocate it, point its first
     ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
@@ -98,10 +83,65 @@ def _admit_with_prefix(state: ServingState, lens, slots, computed):
     return state, rows, ok
 
 
-_admit = jax.jit(_counted(_admit_with_prefix), donate_argnums=0)
-_borrow = jax.jit(_counted(borrow_prefix), donate_argnums=0)
-_free_tokens = jax.jit(_counted(lambda s, slots: s.replace(
-    token_allocator=free(s.token_allocator, slots))), donate_argnums=0)
+def _step_tokens(params, state: ServingState, batch):
+    """``serving.step`` without the logits (the engine samples on the device and never reads
+    them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
+    new, out = step(params, state, batch)
+    return new, out._replace(logits=None)
+
+
+def _alloc_row(pool):
+    return alloc_reqs(pool, 1, 1)
+
+
+def _free_tokens(state: ServingState, slots):
+    return state.replace(token_allocator=free(state.token_allocator, slots))
+
+
+def _signature(args, kwargs) -> tuple:
+    """What a jitted function compiles for: the arguments' tree (static fields included) and
+    every leaf's shape and dtype."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves)
+
+
+class _Compiled:
+    """One engine's own jitted functions (the step with its state donated, row allocation,
+    release, prefix borrowing, slot frees), built when the engine is, and ``count``, the
+    compilations this engine has needed: the distinct argument signatures (shape buckets) it
+    has called them with. Nothing here is module-level, so two engines keep apart counts;
+    within one engine a shape bucket is prepared once. (JAX itself keys its in-process and
+    on-disk caches on the function and the shapes, so a second engine of the same geometry
+    gets the executable of the first without tracing the model again; each engine still
+    counts every bucket it needed.)
+
+    >>> c = _Compiled()
+    >>> c.count, c.step is _Compiled().step
+    (0, False)
+    >>> c.call(c.alloc_row, ServingState.create(KimiLinearConfig.tiny(
+    ...     num_hidden_layers=2, hidden_size=32, vocab_size=64), max_running_requests=1,
+    ...     max_context_len=4, num_token_slots=5).req_to_token_pool)[1].tolist(), c.count
+    ([1], 1)
+    """
+
+    def __init__(self):
+        self.count = 0
+        self._seen: set = set()
+        self.step = jax.jit(_step_tokens, donate_argnums=1)
+        self.release = jax.jit(release, donate_argnums=0)
+        self.alloc_row = jax.jit(_alloc_row)
+        self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
+        self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
+        self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, counting a signature this engine has not used before."""
+        key = (fn, _signature(args, kwargs))
+        out = fn(*args, **kwargs)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.count += 1
+        return out
 
 
 def available_memory_bytes() -> int:
@@ -343,9 +383,11 @@ class EngineStats(ServingStats):
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
     Here: ``steps``; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
-    cache stored / evicted; ``num_compilations``: traces of the engine's jitted functions (the step,
-    one per new shape bucket, plus row allocation and release); ``buckets``: the ``(mode, B,
-    T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that compiled.
+    cache stored / evicted; ``num_compilations``: compilations this engine needed (its own
+    count: the step, one per new shape bucket, plus row allocation and release; JAX may load
+    one from its cache when another engine of the same geometry compiled it); ``buckets``: the
+    ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
+    new to it.
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -423,7 +465,8 @@ class Engine:
         seed: the base sampling key (``ServingState.create``).
         prefix_cache: reuse cached prefixes (a radix tree over the token slots, with exact
             KDA state snapshots; see ``hybridattn.prefix_cache``). False re-prefills every
-            prompt from token 0.
+            prompt from token 0. Default: on, but off under a ``mesh``, where it is not
+            supported (``prefix_cache=True`` with a mesh raises ``ValueError``).
         snapshot_interval: the snapshot grid along every prefill, a positive multiple of
             ``chunk_size`` (default: the multiple of it nearest 256, at least one chunk).
         num_snapshot_slots: snapshot slots (the sink included); default: one per grid
@@ -435,14 +478,28 @@ class Engine:
             chat template), ``generate(..., text=True)`` returns text, and its EOS ids with
             ``config.eos_token_id`` (an int or a list) end requests unless
             ``stop_token_ids`` is given.
+        mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
+            (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
+            own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
+            into ``data`` shards, each with ``max_running_requests / data`` rows and
+            ``num_token_slots / data`` token slots (its own sink included; both must divide).
+            Each request runs on one data shard: the least loaded one with a free row and
+            the token slots for its whole life (admission is FIFO over all shards). Every
+            step runs one work list per shard; the buckets (``request_buckets`` reaching a
+            shard's rows, ``token_buckets`` a shard's prompt chunk and decodes) are per shard.
+            Heads and MLP channels must divide by ``tensor``, routed experts by
+            ``data * tensor``. No prefix cache.
 
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
         stats: ``EngineStats``: throughput, TTFT, compilations and buckets.
         memory: ``MemoryReport``: pool sizes and bytes per token of context.
         max_running_requests: requests that run at once (rows, state slots and token slots
-            permitting).
-        capacity: token slots for requests (the sink excluded).
+            permitting), over all data shards.
+        capacity: token slots for requests (the sinks excluded), over all data shards.
+        shard_capacity: token slots of one data shard (``capacity`` without a mesh): the
+            most one request may use.
+        num_data_shards: the mesh's data size (1 without a mesh).
 
     Raises:
         ValueError: a size, fraction, dtype, bucket list or parameter tree that cannot work,
@@ -518,10 +575,11 @@ class Engine:
         chunk_size: int = 32,
         dtype=jnp.float32,
         seed: int = 0,
-        prefix_cache: bool = True,
+        prefix_cache: bool | None = None,
         snapshot_interval: int | None = None,
         num_snapshot_slots: int | None = None,
         tokenizer: Any = None,
+        mesh: Any = None,  # a jax.sharding.Mesh; checked by _check_mesh (ValueError)
     ):
         if not isinstance(config, KimiLinearConfig):
             raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
@@ -530,16 +588,18 @@ class Engine:
         if max_context_len is None:
             max_context_len = min(config.model_max_length or 4096, 4096)
         check_int("max_context_len", max_context_len, 1)
+        D = self._check_mesh(config, mesh, prefix_cache, max_running_requests, num_token_slots)
+        if prefix_cache is None:
+            prefix_cache = mesh is None
         if max_running_requests is None:
             max_running_requests = default_max_running_requests(max_context_len)
+            max_running_requests = max(D, max_running_requests - max_running_requests % D)
         check_int("max_running_requests", max_running_requests, 1)
         if chunked_prefill_size is None:
             chunked_prefill_size = default_chunked_prefill_size(max_context_len)
         check_int("chunked_prefill_size", chunked_prefill_size, 1)
         check_int("chunk_size", chunk_size, 1)
         check_int("seed", seed, 0)
-        if not isinstance(prefix_cache, bool):
-            raise ValueError(f"prefix_cache={prefix_cache!r} must be a bool")
         if snapshot_interval is None:
             snapshot_interval = max(1, round(256 / chunk_size)) * chunk_size
         if check_int("snapshot_interval", snapshot_interval, 1) % chunk_size:
@@ -598,21 +658,27 @@ class Engine:
         else:
             snap_share = num_snapshot_slots * snap_bytes
         if num_token_slots is None:
-            fit = (left - snap_share) // max(unit.mla_bytes_per_token, 1)
-            num_token_slots = int(min(fit, max_running_requests * max_context_len)) + 1
-            if num_token_slots < max_context_len + 1:
+            # under a mesh the budget is split evenly over the data shards, each with its own
+            # sink, and each shard's pool must hold one context
+            fit = (left - snap_share) // max(unit.mla_bytes_per_token, 1) // D
+            per_shard = int(min(fit, max_running_requests // D * max_context_len)) + 1
+            if per_shard < max_context_len + 1:
                 raise ValueError(
                     f"mem_fraction={mem_fraction} of the available memory ({budget} bytes) "
-                    f"holds {max(num_token_slots - 1, 0)} token slots, less than one "
-                    f"max_context_len={max_context_len}: lower max_context_len, raise "
-                    "mem_fraction, or give num_token_slots (a pool smaller than one context "
-                    "serves prompts up to its size)"
+                    f"holds {max(per_shard - 1, 0)} token slots"
+                    + (f" per data shard (of {D})" if mesh is not None else "")
+                    + f", less than one max_context_len={max_context_len}: lower "
+                    "max_context_len, raise mem_fraction, or give num_token_slots (a pool "
+                    "smaller than one context serves prompts up to its size)"
                 )
+            num_token_slots = per_shard * D
         # Rows the token pool cannot fill at full context are not allocated (their
         # req_to_token rows and KDA states would sit idle); one row always, so a pool smaller
         # than one max_context_len serves one request at a time. Admission reserves each
-        # request's own need, so requests shorter than max_context_len never run out.
-        rows = min(max_running_requests, max(1, (num_token_slots - 1) // max_context_len))
+        # request's own need, so requests shorter than max_context_len never run out. Under
+        # a mesh this holds per data shard.
+        shard_slots = num_token_slots // D
+        rows = D * min(max_running_requests // D, max(1, (shard_slots - 1) // max_context_len))
         if not prefix_cache:
             num_snapshot_slots = 0
         elif num_snapshot_slots is None:
@@ -629,19 +695,21 @@ class Engine:
             raise ValueError(f"num_snapshot_slots={num_snapshot_slots} holds no snapshot (slot 0 "
                              "is the sink): give at least 2, or pass prefix_cache=False")
         self.prefix_cache, self.snapshot_interval = prefix_cache, snapshot_interval
+        self.mesh, self.num_data_shards = mesh, D
         self.state = ServingState.create(config, num_token_slots=num_token_slots,
                                          num_snapshot_slots=num_snapshot_slots,
-                                         max_running_requests=rows, **geometry)
+                                         max_running_requests=rows, mesh=mesh, **geometry)
         self.max_running_requests = rows
         self.max_context_len = max_context_len
-        self.capacity = num_token_slots - 1
+        self.shard_capacity = shard_slots - 1  # token slots one request may draw on
+        self.capacity = D * self.shard_capacity
         self.memory = dataclasses.replace(
             unit, budget_bytes=budget, max_running_requests=self.max_running_requests,
             num_token_slots=num_token_slots, num_snapshot_slots=num_snapshot_slots,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.state)),
             req_to_token_bytes=sum(x.nbytes for x in jax.tree.leaves(
                 self.state.req_to_token_pool)))
-        R = self.max_running_requests
+        R = self.max_running_requests // D  # rows of one data shard (its batch's requests)
         max_t = chunked_prefill_size + R  # prompt chunks (of several requests) + decodes
         self.request_buckets = _buckets("request_buckets", request_buckets, ladder(1, R))
         self.token_buckets = _buckets("token_buckets", token_buckets, ladder(16, max_t))
@@ -663,7 +731,8 @@ class Engine:
                              f"{max_context_len}")
         if self.request_buckets[-1] < R:
             raise ValueError(f"request_buckets={self.request_buckets} must reach "
-                             f"max_running_requests={R}")
+                             + (f"max_running_requests={R}" if mesh is None else
+                                f"the {R} rows of a data shard"))
         if self.kv_buckets[-1] < max_context_len:
             raise ValueError(f"kv_buckets={self.kv_buckets} must reach max_context_len="
                              f"{max_context_len}")
@@ -672,18 +741,31 @@ class Engine:
                              f"takes up to chunked_prefill_size={chunked_prefill_size} prompt "
                              f"tokens and one token of each of {R} running requests")
         self.stats = EngineStats()
-        self.scheduler = Scheduler(
-            capacity=self.capacity, max_running_requests=R,
-            chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
-            token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
-            num_snapshot_slots=num_snapshot_slots, snapshot_interval=snapshot_interval,
-            snapshot_buckets=self.snapshot_buckets, chunk_size=chunk_size)
+        self._sharded = None
+        if mesh is None:
+            self.scheduler = Scheduler(
+                capacity=self.capacity, max_running_requests=R,
+                chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
+                token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
+                num_snapshot_slots=num_snapshot_slots, snapshot_interval=snapshot_interval,
+                snapshot_buckets=self.snapshot_buckets, chunk_size=chunk_size)
+        else:
+            from hybridattn import sharding
+
+            self.scheduler = ShardedScheduler(
+                D, capacity=self.shard_capacity, max_running_requests=R,
+                chunked_prefill_size=chunked_prefill_size, request_buckets=self.request_buckets,
+                token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
+                chunk_size=chunk_size)
+            self.params = sharding.shard_params(params, config, mesh)  # a no-op if placed
+            self._sharded = sharding.ShardedStep(config, mesh)  # this engine's own
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it
         self._outbox: list[tuple[int, int, bool]] = []  # tokens of add_request requests
         self._orphans: deque[int] = deque()  # rids of streams dropped mid-transaction
         self._busy = 0  # depth of transactions (rounds, aborts) in progress
+        self._jit = _Compiled()  # this engine's own compilations
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -695,11 +777,51 @@ class Engine:
             finally:
                 self._busy -= 1
 
+    def _compilations(self) -> int:
+        """Compilations this engine has needed so far (``_Compiled.count``, or the traces of
+        its ``ShardedStep`` under a mesh)."""
+        return self._jit.count + (0 if self._sharded is None else self._sharded.trace_count)
+
+    @staticmethod
+    def _check_mesh(config, mesh, prefix_cache, max_running_requests, num_token_slots) -> int:
+        """The mesh's data size (1 without a mesh); ValueError for a mesh, option or count
+        that cannot work on it."""
+        if prefix_cache is not None and not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache={prefix_cache!r} must be a bool")
+        if mesh is None:
+            return 1
+        from hybridattn import sharding
+
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh with axes ('data', "
+                             "'tensor') (hybridattn.sharding.make_mesh)")
+        D, tensor = sharding.mesh_sizes(mesh)
+        sharding.check_divisible(config, D, tensor)
+        if prefix_cache:
+            raise ValueError("prefix_cache=True is not supported with a mesh: the prefix cache "
+                             "(a radix tree over one token pool, with KDA state snapshots) "
+                             "serves one device; pass prefix_cache=False or leave it unset "
+                             "(the default is False under a mesh)")
+        for name, n in (("max_running_requests", max_running_requests),
+                        ("num_token_slots", num_token_slots)):
+            if n is not None:
+                check_int(name, n, 1)
+                if n % D:
+                    raise ValueError(f"{name}={n} is not divisible by the mesh's data size "
+                                     f"{D} (each data shard has its own rows and token slots)")
+        if num_token_slots is not None and num_token_slots // D < 2:
+            raise ValueError(f"num_token_slots={num_token_slots} leaves a data shard (of {D}) "
+                             "no token slot besides its sink")
+        return D
+
     def _call(self, fn, *args, **kwargs):
-        """Run a shared jitted function, counting the compilations it needed."""
-        before = _TRACES[0]
-        out = fn(*args, **kwargs)
-        self.stats.num_compilations += _TRACES[0] - before
+        """Run one of this engine's jitted functions, counting a compilation it needed."""
+        before = self._compilations()
+        if self._sharded is None:
+            out = self._jit.call(fn, *args, **kwargs)
+        else:  # the ShardedStep's own functions: they count their traces
+            out = fn(*args, **kwargs)
+        self.stats.num_compilations += self._compilations() - before
         return out
 
     # ---------------------------------------------------------------------------------------
@@ -742,15 +864,16 @@ class Engine:
                                   seed=seed)
         stop = self._eos if stop_token_ids is None else stop_ids(stop_token_ids, V)
         req = Request(self._next_rid, ids, int(max_new_tokens), sampling, stop)
-        if req.need > min(self.max_context_len, self.capacity):
+        if req.need > min(self.max_context_len, self.shard_capacity):
             short = ("max_context_len" if req.need > self.max_context_len else
-                     "the token pool")
+                     "the token pool" if self.mesh is None else "a data shard's token pool")
             raise ValueError(
                 f"{what} of {len(ids)} tokens + max_new_tokens={max_new_tokens} needs a context "
                 f"of {req.need} tokens, more than {short} holds: this engine has max_context_len="
-                f"{self.max_context_len} and {self.capacity} token slots (num_token_slots="
-                f"{self.capacity + 1}, the sink included); shorten the prompt or build the "
-                "engine with more of both")
+                f"{self.max_context_len} and {self.shard_capacity} token slots (num_token_slots="
+                f"{self.shard_capacity + 1}, the sink included)"
+                + ("" if self.mesh is None else f" per data shard (of {self.num_data_shards})")
+                + "; shorten the prompt or build the engine with more of both")
         return req
 
     def abort(self, rid: int) -> bool:
@@ -792,7 +915,7 @@ class Engine:
     @property
     def num_free_slots(self) -> int:
         """Token slots neither held by a request nor by the prefix cache (a device read)."""
-        return int(self.state.token_allocator.num_free)
+        return int(np.sum(self.state.token_allocator.num_free))  # summed over data shards
 
     @property
     def num_cached_slots(self) -> int:
@@ -864,28 +987,31 @@ class Engine:
             self._flush_ops()
             return True
 
-    def _run(self, plan: StepPlan) -> None:
+    def _run(self, plan: StepPlan | ShardedPlan) -> None:
         B, T, W, Q = plan.buckets
-        batch = make_worker_batch(
-            plan.items(), vocab_size=self.config.vocab_size,
-            max_context_len=self.max_context_len, forward_mode=plan.mode, num_requests=B,
-            num_tokens=T, kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots,
-            snapshot_chunk=self.scheduler.chunk_size,
-        )
+        shape = dict(vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
+                     forward_mode=plan.mode, num_requests=B, num_tokens=T, kv_width=W,
+                     max_extend_len=Q, num_snapshots=plan.num_snapshots,
+                     snapshot_chunk=self.scheduler.chunk_size)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,))
-        traces = _TRACES[0]
+        traces = self._compilations()
         t0 = time.perf_counter()
-        self.state, out = self._call(_step, self.params, self.state, batch)
-        tokens = np.asarray(out.next_token_ids).tolist()
-        if not bool(out.ok):  # unreachable (the reservation); only the sinks were written
+        if self._sharded is None:
+            batch = make_worker_batch(plan.items(), **shape)
+            self.state, out = self._call(self._jit.step, self.params, self.state, batch)
+        else:  # one work list per data shard, one step for all of them
+            batch = self._sharded.make_batch(plan.items(), **shape)
+            self.state, out = self._call(self._sharded, self.params, self.state, batch)
+        tokens = np.asarray(out.next_token_ids).tolist()  # [B], or [D][B] under a mesh
+        if not np.all(out.ok):  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
         now = time.perf_counter()
         # -- commit: plain Python from here on --
         s = self.stats
         s.buckets.add(key)
         s.steps += 1
-        if _TRACES[0] > traces:  # this call compiled
+        if self._compilations() > traces:  # this call compiled
             s.compiled_buckets.append(key)
             s.compile_seconds += now - t0
         elif plan.prompt_tokens:
@@ -910,14 +1036,19 @@ class Engine:
     def _admit_row(self, adm: Admission) -> int:
         """Allocate the admitted request's row on the device; with a cache hit the row also
         borrows the matched KV and records the restored depth. Returns the row."""
-        if self.scheduler.tree is None:
-            pool, rows, ok = self._call(_alloc_row, self.state.req_to_token_pool)
+        if self._sharded is not None:  # a local row of the request's data shard
+            counts = [int(k == adm.req.shard) for k in range(self.num_data_shards)]
+            new, rows, oks = self._call(self._sharded.try_alloc_rows, self.state, counts)
+            rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
+        elif self.scheduler.tree is None:
+            pool, rows, ok = self._call(self._jit.alloc_row, self.state.req_to_token_pool)
             new = self.state.replace(req_to_token_pool=pool)
         else:
             W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
             slots = np.zeros((1, W), np.int32)
             slots[0, : adm.borrowed] = adm.slots
-            new, rows, ok = self._call(_admit, self.state, jnp.asarray([adm.borrowed], jnp.int32),
+            new, rows, ok = self._call(self._jit.admit, self.state,
+                                       jnp.asarray([adm.borrowed], jnp.int32),
                                        jnp.asarray(slots), jnp.asarray([adm.computed], jnp.int32))
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
@@ -929,22 +1060,43 @@ class Engine:
         borrowed prompts, releases of finished requests); one that fails stays queued and is
         retried by the next round."""
         sched = self.scheduler
+        if self._sharded is not None:
+            self._flush_sharded()
+            return
         while sched.device_ops:
             op = sched.device_ops[0]
             if isinstance(op, FreeSlots):
                 n = 1 << max(len(op.slots) - 1, 0).bit_length()  # one compile per power of 2
                 slots = np.zeros(n, np.int32)
                 slots[: len(op.slots)] = op.slots
-                self.state = self._call(_free_tokens, self.state, jnp.asarray(slots))
+                self.state = self._call(self._jit.free_tokens, self.state, jnp.asarray(slots))
             elif isinstance(op, Borrow):
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
                 slots[0, : len(op.slots)] = op.slots
-                self.state = self._call(_borrow, self.state, jnp.asarray([op.req.row], jnp.int32),
+                self.state = self._call(self._jit.borrow, self.state,
+                                        jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
             elif isinstance(op, Release):
                 self.state = self._release_rows(op.reqs)
+            sched.op_done(op)
+
+    def _flush_sharded(self) -> None:
+        """Under a mesh the only device ops are releases: every shard's queued releases in one
+        sharded call (each shard's rows padded with row 0 to its row count, one compile)."""
+        sched = self.scheduler
+        ops = sched.device_ops
+        if not ops:
+            return
+        R = self.max_running_requests // self.num_data_shards
+        rows = [[] for _ in range(self.num_data_shards)]
+        for op in ops:
+            for r in op.reqs:
+                rows[r.shard].append(r.row)
+        self.state = self._call(self._sharded.release, self.state,
+                                [r + [0] * (R - len(r)) for r in rows])
+        for op in ops:
             sched.op_done(op)
 
     def _release_rows(self, done: Sequence[Request]) -> ServingState:
@@ -952,14 +1104,14 @@ class Engine:
         rows = np.zeros(R, np.int32)
         rows[: len(done)] = [r.row for r in done]
         if self.scheduler.tree is None:
-            return self._call(_release, self.state, jnp.asarray(rows))
+            return self._call(self._jit.release, self.state, jnp.asarray(rows))
         keep = np.full(R, self.max_context_len, np.int32)
         keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
                              for r in done]
         snaps = np.zeros(R, np.int32)
         snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
-        return self._call(_release, self.state, jnp.asarray(rows), keep_from=jnp.asarray(keep),
-                          snapshot_slots=jnp.asarray(snaps))
+        return self._call(self._jit.release, self.state, jnp.asarray(rows),
+                          keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row (a device read)."""

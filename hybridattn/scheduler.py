@@ -71,8 +71,8 @@ from hybridattn.serving import WorkItem
 from servecore.radix import RadixCache
 from servecore.sampling import SamplingParams
 
-__all__ = ["Admission", "Borrow", "FreeSlots", "Release", "Request", "Scheduler", "StepPlan",
-           "bucket", "kv_ladder", "ladder"]
+__all__ = ["Admission", "Borrow", "FreeSlots", "Release", "Request", "Scheduler",
+           "ShardedPlan", "ShardedScheduler", "StepPlan", "bucket", "kv_ladder", "ladder"]
 
 
 def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -157,6 +157,7 @@ class Request:
     keep_from: int | None = None
     end_depth: int = 0  # tokens that ran, once finished and inserted
     owned: int = 0
+    shard: int = 0  # the data shard it runs on (``ShardedScheduler``; 0 on one device)
 
     @property
     def need(self) -> int:
@@ -650,3 +651,215 @@ class Scheduler:
                 else:  # the tree has a state there already, or evicted that path
                     self.snapshot_slots.give([r.finish_slot])
                 r.finish_slot, r.end_depth = 0, 0
+
+
+# --------------------------------------------------------------------------------------------
+# data shards
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlan:
+    """One step of a sharded engine: ``plans[k]`` is data shard ``k``'s ``StepPlan`` (None: the
+    shard runs padding only), all run in one batch of ``mode`` and ``buckets`` (the shards'
+    batches must share their shapes). A shard whose own plan is a ``DECODE`` step runs its
+    decodes as one-token extends when another shard prefills.
+
+    >>> r = Request(0, [1], 2, row=1, computed=1)
+    >>> p = ShardedPlan(ForwardMode.DECODE, (StepPlan(ForwardMode.DECODE, ((r, [7]),),
+    ...                 (1, 1, 64, 1)), None), (1, 1, 64, 1))
+    >>> [len(items) for items in p.items()], p.num_tokens
+    ([1, 0], 1)
+    """
+
+    mode: ForwardMode
+    plans: tuple[StepPlan | None, ...]
+    buckets: tuple[int, int, int, int]
+    num_snapshots: None = None  # no prefix cache under a mesh
+
+    @property
+    def work(self) -> tuple[tuple[Request, list[int]], ...]:
+        """Every shard's work, shard by shard."""
+        return tuple(w for p in self.plans if p is not None for w in p.work)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step runs on all shards (padding excluded)."""
+        return sum(p.num_tokens for p in self.plans if p is not None)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the step runs on all shards."""
+        return sum(p.prompt_tokens for p in self.plans if p is not None)
+
+    def items(self) -> list[list[WorkItem]]:
+        """Each shard's work as ``WorkItem``s (local rows), for ``ShardedStep.make_batch``."""
+        return [[] if p is None else p.items() for p in self.plans]
+
+
+class ShardedScheduler:
+    """The host scheduler of an engine on a mesh with ``num_shards`` data shards: one
+    ``Scheduler`` per shard (its own rows, token slots and reservations, no prefix cache)
+    behind one FIFO queue. ``admit_next`` gives the request at the front of the queue to the
+    least loaded shard (fewest rows held, then fewest token slots reserved) that has a free row
+    and room for its whole life; when no shard has, it waits (FIFO: a large request is not
+    overtaken). ``plan`` joins the shards' plans into one ``ShardedPlan``; ``commit`` takes the
+    sampled tokens per shard. Device ops (releases) stay in each shard's ``device_ops``.
+
+    Same call order as ``Scheduler`` (the module docstring), with ``Request.shard`` saying
+    where each admitted request runs.
+
+    >>> sched = ShardedScheduler(2, capacity=8, max_running_requests=1, chunked_prefill_size=4,
+    ...                          request_buckets=(1,), token_buckets=(4, 8), kv_buckets=(8,))
+    >>> for rid, prompt in enumerate([[1, 2, 3], [4, 5], [6]]):
+    ...     sched.add(Request(rid, prompt, max_new_tokens=2))
+    >>> while (adm := sched.admit_next()) is not None:
+    ...     sched.admitted(adm, row=1)
+    >>> [(r.rid, r.shard) for r in sched.running], sched.num_waiting  # one row per shard
+    ([(0, 0), (1, 1)], 1)
+    >>> plan = sched.plan()
+    >>> plan.mode.name, plan.buckets, [[i.token_ids for i in it] for it in plan.items()]
+    ('EXTEND', (1, 4, 8, 4), [[[1, 2, 3]], [[4, 5]]])
+    >>> sched.commit(plan, [[9], [8]])[0]  # each prompt's first token
+    [(0, 9, False), (1, 8, False)]
+    """
+
+    def __init__(self, num_shards: int, *, capacity: int, max_running_requests: int,
+                 chunked_prefill_size: int, request_buckets: Sequence[int],
+                 token_buckets: Sequence[int], kv_buckets: Sequence[int],
+                 chunk_size: int | None = None):
+        self.shards = [Scheduler(capacity=capacity, max_running_requests=max_running_requests,
+                                 chunked_prefill_size=chunked_prefill_size,
+                                 request_buckets=request_buckets, token_buckets=token_buckets,
+                                 kv_buckets=kv_buckets, chunk_size=chunk_size)
+                       for _ in range(num_shards)]
+        self.capacity = capacity  # per shard
+        self.max_running_requests = max_running_requests  # per shard
+        self.request_buckets = tuple(request_buckets)
+        self.token_buckets = tuple(token_buckets)
+        self.kv_buckets = tuple(kv_buckets)
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.tree = None  # no prefix cache under a mesh
+        self.snapshots_taken = self.state_evictions = self.token_evictions = 0
+
+    @property
+    def running(self) -> list[Request]:
+        """Admitted, unfinished requests of every shard, shard by shard."""
+        return [r for s in self.shards for r in s.running]
+
+    @property
+    def releasing(self) -> list[Request]:
+        """Finished requests whose rows are not released yet."""
+        return [r for s in self.shards for r in s.releasing]
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests that have not finished."""
+        return sum(s.num_running for s in self.shards)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests not admitted yet."""
+        return len(self.waiting)
+
+    @property
+    def cached_size(self) -> int:
+        """Token slots a prefix cache holds: none."""
+        return 0
+
+    @property
+    def device_ops(self) -> list:
+        """Every shard's queued device ops (``Release``), shard by shard."""
+        return [op for s in self.shards for op in s.device_ops]
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` (validated by the caller) at the back."""
+        self.waiting.append(req)
+
+    def admit_next(self) -> Admission | None:
+        """Choose the request at the front and its shard (``req.shard``), or None: no shard
+        has a free row and the token slots for it."""
+        if not self.waiting:
+            return None
+        req = self.waiting[0]
+        fits = [k for k, s in enumerate(self.shards)
+                if s.rows_held < s.max_running_requests and s.reserved + req.need <= s.capacity]
+        if not fits:
+            return None
+        k = min(fits, key=lambda k: (self.shards[k].rows_held, self.shards[k].reserved, k))
+        shard = self.shards[k]
+        req.shard = k
+        shard.add(req)
+        adm = shard.admit_next()
+        if adm is None:  # unreachable: the checks above are the shard's own
+            shard.waiting.remove(req)
+        return adm
+
+    def admitted(self, adm: Admission, row: int) -> None:
+        """Commit ``adm`` into local ``row`` of shard ``adm.req.shard``."""
+        req = adm.req
+        if not self.waiting or self.waiting[0] is not req:
+            raise ValueError(f"request {req.rid} is not the next waiting request")
+        self.shards[req.shard].admitted(adm, row)
+        self.waiting.popleft()
+
+    def cancel(self, adm: Admission) -> None:
+        """Undo ``admit_next``: the request stays at the front of the queue."""
+        shard = self.shards[adm.req.shard]
+        shard.cancel(adm)
+        shard.waiting.remove(adm.req)
+
+    def reset_cache(self) -> None:
+        """Nothing to forget: no prefix cache."""
+
+    def plan(self) -> ShardedPlan | None:
+        """Every shard's next step, in one batch shape, or None when nothing is running.
+        ``EXTEND`` if any shard prefills (the others' decodes ride along as one-token
+        extends), else ``DECODE``; each shard fills its own prompt-chunk budget."""
+        plans = tuple(s.plan() for s in self.shards)
+        live = [p for p in plans if p is not None]
+        if not live:
+            return None
+        work = [w for p in live for w in p.work]
+        B = bucket(max(len(p.work) for p in live), self.request_buckets, "requests in a step")
+        W = bucket(max(r.computed + len(t) for r, t in work), self.kv_buckets, "context length")
+        if all(p.mode == ForwardMode.DECODE for p in live):
+            return ShardedPlan(ForwardMode.DECODE, plans, (B, B, W, 1))
+        T = bucket(max(p.num_tokens for p in live), self.token_buckets, "tokens in a step")
+        Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
+        return ShardedPlan(ForwardMode.EXTEND, plans, (B, T, W, Q))
+
+    def commit(self, plan: ShardedPlan, tokens: Sequence[Sequence[int]], read_slots=None,
+               ) -> tuple[list[tuple[int, int, bool]], list[Request]]:
+        """Record that ``plan`` ran; ``tokens[k]`` are shard ``k``'s samples, one per work item
+        of its plan (padding after). Returns ``(events, done)`` as ``Scheduler.commit``."""
+        events, done = [], []
+        for s, p, toks in zip(self.shards, plan.plans, tokens, strict=True):
+            if p is not None:
+                e, d = s.commit(p, list(toks)[: len(p.work)])
+                events += e
+                done += d
+        return events, done
+
+    def abort(self, rid: int) -> Request | None:
+        """End request ``rid`` (waiting: it leaves the queue; running: its shard releases it).
+        Returns it, or None if it is not waiting or running."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                r.finish_reason = "abort"
+                return r
+        for s in self.shards:
+            r = s.abort(rid)
+            if r is not None:
+                return r
+        return None
+
+    def op_done(self, op) -> None:
+        """The engine carried out ``op`` (the front of its shard's ``device_ops``)."""
+        for s in self.shards:
+            if s.device_ops and s.device_ops[0] is op:
+                s.op_done(op)
+                return
+        raise ValueError(f"{type(op).__name__} is not the next device op of any shard")

@@ -425,14 +425,19 @@ class MeshComm:
         return lax.psum(y, TENSOR) if self.tensor > 1 else y
 
 
+def _is_rng(path) -> bool:
+    """Whether a leaf is the state's base sampling key (replicated, not stacked); a bare
+    array (an empty path) is not."""
+    return bool(path) and getattr(path[0], "name", None) == "rng"
+
+
 def _unstack(tree):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if getattr(path[0], "name", None) == "rng" else x[0], tree)
+    return jax.tree_util.tree_map_with_path(lambda path, x: x if _is_rng(path) else x[0], tree)
 
 
 def _restack(tree):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if getattr(path[0], "name", None) == "rng" else x[None], tree)
+    return jax.tree_util.tree_map_with_path(lambda path, x: x if _is_rng(path) else x[None],
+                                            tree)
 
 
 def _padding_like(batch):
@@ -476,7 +481,9 @@ class ShardedStep:
         self.param_shardings = param_shardings(config, mesh, dtype)
         self._param_specs = param_specs(config, mesh, dtype)
         self._compiled: dict[Any, Any] = {}
-        self.trace_count = 0  # per engine, not global: how many step variants were traced
+        # per engine, not global: traces of this object's functions (the step's variants, row
+        # allocations, releases), i.e. its compilations
+        self.trace_count = 0
 
     # -- the per-shard view ------------------------------------------------------------------
 
@@ -570,6 +577,7 @@ class ShardedStep:
             spec = state_specs(state)
 
             def body(state, *args):
+                self.trace_count += 1
                 new, outs = fn(self._local(state), *_unstack(args))
                 return self._global(new, state), _restack(outs)
 
@@ -586,7 +594,18 @@ class ShardedStep:
     def alloc_rows(self, state, counts: Sequence[int]):
         """Take ``counts[k]`` request rows on data shard ``k``: ``(state, rows)`` with
         ``rows[k]`` the list of shard ``k``'s new (local) row ids. ValueError if a shard has
-        too few free rows."""
+        too few free rows (``state`` is donated: use ``try_alloc_rows`` to keep the new state
+        when that happens)."""
+        new, rows, ok = self.try_alloc_rows(state, counts)
+        if not ok.all():
+            raise ValueError(f"data shards {np.flatnonzero(~ok).tolist()} have too few free "
+                             f"request rows for counts={list(map(int, counts))}")
+        return new, rows
+
+    def try_alloc_rows(self, state, counts: Sequence[int]):
+        """``alloc_rows`` returning the flags: ``(state, rows, ok)``, ``ok[k]`` False when
+        shard ``k`` had too few free rows (then it allocated nothing and ``rows[k]`` is
+        empty)."""
         counts = np.asarray(counts, np.int32)
         if counts.shape != (self.data,):
             raise ValueError(f"counts has shape {counts.shape}, expected ({self.data},)")
@@ -597,12 +616,8 @@ class ShardedStep:
             return local.replace(req_to_token_pool=pool), (rows, ok)
 
         new, (rows, ok) = self._map(fn, state, counts, key=("alloc", width))
-        ok = np.asarray(ok)
-        if not ok.all():
-            raise ValueError(f"data shards {np.flatnonzero(~ok).tolist()} have too few free "
-                             f"request rows for counts={counts.tolist()}")
-        rows = np.asarray(rows)
-        return new, [rows[k, : counts[k]].tolist() for k in range(self.data)]
+        ok, rows = np.asarray(ok), np.asarray(rows)
+        return new, [rows[k, : counts[k]].tolist() if ok[k] else [] for k in range(self.data)], ok
 
     def release(self, state, rows_per_shard: Sequence[Sequence[int]]):
         """Free the given local rows (and their token and state slots) on each data shard."""

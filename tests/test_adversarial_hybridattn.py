@@ -312,7 +312,7 @@ def python_sigint():
 def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypatch,
                                                                         python_sigint):
     eng = engine()
-    real, fired = E._step, []
+    real, fired = eng._jit.step, []  # the engine's own jitted step
 
     def step_then_ctrl_c(*args):
         out = real(*args)
@@ -325,10 +325,10 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
     got = {r: [] for r in rids}
     for r, tok, _ in eng.step():  # admission and the prompts, uninterrupted
         got[r].append(tok)
-    monkeypatch.setattr(E, "_step", step_then_ctrl_c)
+    monkeypatch.setattr(eng._jit, "step", step_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         eng.step()
-    monkeypatch.setattr(E, "_step", real)
+    monkeypatch.setattr(eng._jit, "step", real)
     for _ in range(STEP_BOUND):  # the interrupted round's tokens come with the next step
         for r, tok, _ in eng.step():
             got[r].append(tok)
@@ -341,7 +341,9 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
 @pytest.mark.parametrize("where", ["make_worker_batch", "_step", "_release", "_admit", "_borrow"])
 def test_an_exception_inside_a_round_leaves_the_engine_consistent(monkeypatch, where):
     eng = engine()
-    real, raised = getattr(E, where), []
+    # make_worker_batch is the module's; the jitted functions are the engine's own
+    owner, name = (E, where) if where == "make_worker_batch" else (eng._jit, where[1:])
+    real, raised = getattr(owner, name), []
 
     def fail_once(*args, **kwargs):
         if not raised:
@@ -354,7 +356,7 @@ def test_an_exception_inside_a_round_leaves_the_engine_consistent(monkeypatch, w
     if where == "_release":  # let the requests start, so the failure hits a real release
         for r, tok, _ in eng.step():
             got[r].append(tok)
-    monkeypatch.setattr(E, where, fail_once)
+    monkeypatch.setattr(owner, name, fail_once)
     for _ in range(STEP_BOUND):
         try:
             events = eng.step()

@@ -9,6 +9,7 @@ shard, so the reference compiles once for the whole module.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -233,3 +234,150 @@ def test_load_places_each_tensor_with_its_sharding(params, tmp_path):
                             jax.tree.leaves(params), strict=True):
         assert got.sharding == sh
         assert np.array_equal(np.asarray(got), np.asarray(ref))
+
+
+# --------------------------------------------------------------------------------------------
+# the engine on a mesh
+# --------------------------------------------------------------------------------------------
+
+# 2 rows and 48 token slots (two full contexts) per data shard; the unsharded reference has
+# the same totals in one pool. A shard's batch: 2 requests, a prompt chunk of 8 + 2 decodes.
+EL = 24
+ENGINE = dict(max_context_len=EL, max_running_requests=4, chunked_prefill_size=8,
+              chunk_size=8, token_buckets=(12,), kv_buckets=(EL,))
+
+
+@pytest.fixture(scope="module")
+def engines(params):
+    """The unsharded engine and the same engine on a 2x4 mesh (each compiles its own step)."""
+    from hybridattn.engine import Engine
+
+    ref = Engine(CFG, params, num_token_slots=97, request_buckets=(4,), prefix_cache=False,
+                 **ENGINE)
+    eng = Engine(CFG, params, num_token_slots=2 * 49, request_buckets=(2,),
+                 mesh=S.make_mesh(2, 4), **ENGINE)
+    assert (eng.max_running_requests, eng.capacity, eng.shard_capacity) == (4, 96, 48)
+    assert eng.prefix_cache is False and eng.tree is None  # the default under a mesh
+    return ref, eng
+
+
+def _workload():
+    rng = np.random.default_rng(7)
+    lens = [3, 12, 7, 20, 1, 9, 15, 5, 11, 2]  # 20: three prefill chunks
+    news = [5, 3, 8, 2, 6, 4, 7, 9, 1, 6]
+    return [rng.integers(0, 64, n).tolist() for n in lens], news
+
+
+def _serve(eng, requests):
+    """Serve ``(prompt, max_new_tokens, kwargs)`` requests, half queued first and the rest
+    after two rounds; returns each request's tokens, whether any waited and the data shards
+    that ran requests."""
+    out, rid_of, waited, shards = {}, {}, False, set()
+    half = len(requests) // 2
+    for i, (p, n, kw) in enumerate(requests[:half]):
+        rid_of[eng.add_request(p, n, **kw)] = i
+    rounds = 0
+    while eng.has_unfinished() or rounds < 2:
+        if rounds == 2:
+            for i, (p, n, kw) in enumerate(requests[half:], half):
+                rid_of[eng.add_request(p, n, **kw)] = i
+        waited |= eng.num_waiting > 0
+        shards |= {r.shard for r in eng.scheduler.running}
+        for rid, tok, _ in eng.step():
+            out.setdefault(rid_of[rid], []).append(tok)
+        rounds += 1
+    return [out.get(i, []) for i in range(len(requests))], waited, shards
+
+
+def test_engine_on_a_2x4_mesh_equals_the_unsharded_engine(engines):
+    """A mixed workload (prompt lengths 1 to 20 with chunked prefill, more requests than
+    rows, late arrivals, stop tokens, max_new_tokens from 1 to 9, a seeded sampled request):
+    the sharded engine's tokens equal the unsharded engine's."""
+    ref, eng = engines
+    prompts, news = _workload()
+    free = {i: ref.generate([prompts[i]], news[i])[0] for i in (1, 6)}
+    stops = {1: free[1][1], 6: free[6][3]}  # requests 1 and 6 end early on a stop token
+    requests = [(p, n, dict(stop_token_ids=[stops[i]]) if i in stops else {})
+                for i, (p, n) in enumerate(zip(prompts, news, strict=True))]
+    requests[4] = (prompts[4], news[4], dict(temperature=0.8, seed=3))
+    want, ref_waited, _ = _serve(ref, requests)
+    got, waited, shards = _serve(eng, requests)
+    assert got == want
+    assert waited and ref_waited and shards == {0, 1}
+    assert [len(g) for g in got] == [n if i not in stops else free[i].index(stops[i]) + 1
+                                     for i, n in enumerate(news)]
+    assert eng.num_running == eng.num_waiting == 0
+    assert eng.num_free_slots == eng.capacity  # every slot of both shards came back
+    # one compilation per step bucket, plus the row allocation and the release
+    s = eng.stats
+    assert s.num_compilations <= len(s.buckets) + 2
+    assert {m for m, *_ in s.buckets} == {1, 2}  # EXTEND (decodes riding along) and DECODE
+
+
+def test_engine_on_a_mesh_streams_aborts_and_generates(engines):
+    ref, eng = engines
+    prompts, news = _workload()
+    prompts = prompts[:6]
+    want = ref.generate(prompts, 5)
+    got = [[] for _ in prompts]
+    stream = eng.stream(prompts, 5)
+    rids = stream.request_ids
+    for i, tok in stream:
+        got[i].append(tok)
+        if i == 0 and len(got[0]) == 2:
+            assert eng.abort(rids[3])  # running or waiting: either is safe
+    assert got[3] == want[3][: len(got[3])] and len(got[3]) < 5
+    assert [g for i, g in enumerate(got) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+    assert eng.generate(prompts[:3], 4) == [w[:4] for w in want[:3]]
+    assert not eng.has_unfinished() and eng.num_free_slots == eng.capacity
+
+
+def test_engine_mesh_errors_name_the_value(params):
+    from hybridattn.engine import Engine
+
+    mesh = S.make_mesh(2, 4)
+    geo = dict(ENGINE, num_token_slots=98)
+    with pytest.raises(ValueError, match=r"prefix_cache=True is not supported with a mesh"):
+        Engine(CFG, params, mesh=mesh, prefix_cache=True, **geo)
+    with pytest.raises(ValueError, match=r"max_running_requests=3 is not divisible by the "
+                                         r"mesh's data size 2"):
+        Engine(CFG, params, mesh=mesh, **{**geo, "max_running_requests": 3})
+    with pytest.raises(ValueError, match=r"num_token_slots=97 is not divisible by the mesh's "
+                                         r"data size 2"):
+        Engine(CFG, params, mesh=mesh, **{**geo, "num_token_slots": 97})
+    cfg4 = dataclasses.replace(CFG, num_experts=4)
+    with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by the mesh's "
+                                         r"data\*tensor size 8"):
+        Engine(cfg4, kimi_linear.init_params(cfg4, jax.random.key(0)), mesh=mesh, **geo)
+    with pytest.raises(ValueError, match=r"mesh=.* must be a jax.sharding.Mesh"):
+        Engine(CFG, params, mesh=(2, 4), **geo)
+    # a shard's pool (16 slots) smaller than the context: requests must fit one shard
+    eng = Engine(CFG, params, mesh=mesh, **{**geo, "num_token_slots": 34,
+                                            "max_running_requests": 2})
+    assert (eng.shard_capacity, eng.max_running_requests) == (16, 2)
+    with pytest.raises(ValueError, match=r"needs a context of 20 tokens, more than a data "
+                                         r"shard's token pool holds.*per data shard \(of 2\)"):
+        eng.add_request([1] * 20, 1)
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.mlx
+def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
+    """The independent oracle: mlx-lm's Kimi-Linear reading the same checkpoint, greedy, one
+    request at a time with its own caches."""
+    mx = pytest.importorskip("mlx.core")
+    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
+    from harness import mlx_greedy
+
+    kimi_linear.save_pretrained(params, CFG, tmp_path)
+    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
+    weights = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    _, eng = engines
+    prompts, news = _workload()
+    got = [[] for _ in prompts]
+    for i, tok in eng.stream(prompts[:8], 4):  # 8 requests on 4 rows: some wait
+        got[i].append(tok)
+    assert got[:8] == [mlx_greedy(model, p, 4) for p in prompts[:8]]
