@@ -145,6 +145,27 @@ def test_the_2x4_step_keeps_shardings_and_holds_only_activation_collectives(para
         assert dims[0] == T_all and np.prod(dims) <= T_all * CFG.hidden_size, shape
 
 
+def test_the_2x4_step_lowers_to_the_collectives_of_each_layer(params):
+    """Before XLA combines independent all-reduces, the program holds exactly the planned
+    collectives, layer by layer (``sharding.MeshComm``): one all-reduce over tensor for each
+    attention layer's row-parallel ``o_proj`` and for each dense MLP or shared expert; per MoE
+    layer three all-gathers over data (tokens, expert ids, weights), one reduce-scatter back
+    and one all-reduce of the experts' shares over tensor."""
+    mesh, run, sp, state = _sharded((2, 4), params)
+    state, _ = run.alloc_rows(state, [2, 1])
+    batch = run.make_batch([[WorkItem(1, 0, [1, 2, 3]), WorkItem(2, 0, [4])],
+                            [WorkItem(1, 0, [5, 6])]], **PREFILL)
+    text = run.lower(sp, state, batch).as_text()
+    sparse = sum(t == "sparse" for t in CFG.mlp_layer_types)
+    dense = len(CFG.mlp_layer_types) - sparse
+    shared = sparse if CFG.num_shared_experts else 0
+    want = {"all_reduce": CFG.num_hidden_layers + dense + shared + sparse,
+            "all_gather": 3 * sparse, "reduce_scatter": sparse, "all_to_all": 0,
+            "collective_permute": 0}
+    got = {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in want}
+    assert got == want
+
+
 def _per_device_bytes(tree, device):
     total = per = 0
     for x in jax.tree.leaves(tree):
