@@ -97,13 +97,11 @@ def test_the_memory_report_per_context_length_grows_with_the_pools():
 
 
 def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
-    res = bench.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1,
-                              compare_chunk=64)
+    res = bench.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1)
     assert [r["prompt_len"] for r in res["rows"]] == [256, 512]
     for r in res["rows"]:
         assert "failed" not in r, r
         assert len(r["tokens"]) == 3
-        assert r["compare_chunk"] == dict(chunked_prefill_size=64, failed=None, same_tokens=True)
         assert r["prefill_compiled"] == 0  # every shape compiled before the timed prefill
         assert r["decode_steps"] == 2 and r["decode_step_s"] > 0
         assert r["decode_floor_s"] > 0 and r["decode_floor_ratio"] > 0
@@ -114,11 +112,41 @@ def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
     bench._print_longctx(res)
     out = capsys.readouterr().out
     assert "target 64k prefill" in out and "   512 |" in out
-    assert "512 tokens, chunked_prefill_size 256 vs 64: same greedy tokens" in out
     pytest.importorskip("matplotlib")
     from hybridattn.bench_plots import plot_longctx
 
     assert plot_longctx(res, str(tmp_path)).endswith("longctx.png")
+
+
+def test_compare_chunk_reruns_each_length_with_the_other_chunk_and_compares_tokens(
+        monkeypatch, capsys):
+    """The parent side of ``--compare-chunk`` (the children are the run above's): a second
+    child per length with the other chunk, its tokens set against the first's."""
+    runs = []
+
+    def child(n, new_tokens, chunk, mla_rounds, timeout_s):
+        runs.append((n, chunk))
+        if n == 300 and chunk == 64:
+            return dict(prompt_len=n, failed="exit 1: boom")
+        tokens = [1, 2] if (n, chunk) != (200, 64) else [1, 3]
+        figures = dict.fromkeys(("wall_prefill_s", "compile_s", "prefill_tok_s",
+                                 "mla_prefill_share", "peak_prefill_rss_bytes",
+                                 "prefill_alone_peak_rss_bytes", "base_rss_bytes",
+                                 "pool_bytes", "param_bytes", "mla_decode_share"), 1)
+        return dict(figures, prompt_len=n, chunked_prefill_size=chunk or 256, tokens=tokens,
+                    decode_step_s=None)
+
+    monkeypatch.setattr(bench, "_longctx_child", child)
+    res = bench.bench_longctx(lengths=[100, 200, 300], new_tokens=2, compare_chunk=64)
+    assert runs == [(100, None), (100, 64), (200, None), (200, 64), (300, None), (300, 64)]
+    got = [r["compare_chunk"] for r in res["rows"]]
+    assert [c["same_tokens"] for c in got] == [True, False, False]
+    assert got[2]["failed"] == "exit 1: boom"
+    bench._print_longctx(res)
+    out = capsys.readouterr().out
+    assert "100 tokens, chunked_prefill_size 256 vs 64: same greedy tokens" in out
+    assert "200 tokens, chunked_prefill_size 256 vs 64: DIFFERENT tokens" in out
+    assert "300 tokens, chunked_prefill_size 256 vs 64: failed (exit 1: boom)" in out
 
 
 def test_an_8k_prompt_gives_the_greedy_tokens_of_the_dense_apply():
