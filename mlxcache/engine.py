@@ -11,9 +11,11 @@ One request's life (prefix reuse on):
    prefixes if the pool is short. (A full hit runs its last token again, for its logits, but
    needs no slot: that token's K/V is in the tree already.) If even
    that fails while other requests run, the request waits for them to finish. Requests are
-   admitted together into one *prefill batch* while their padded new tokens fit
-   ``prefill_step_size``; a request that shares a good part of its uncached tokens with one
+   admitted fewest uncached tokens first, together into one *prefill batch* while their
+   padded new tokens fit ``prefill_step_size`` and their uncached tokens
+   ``prefill_batch_tokens``; a request that shares a good part of its uncached tokens with one
    already in the batch waits for the next batch, so that it reuses that prefix once inserted.
+   While requests wait, prefill batches run back to back, before the next decode step.
 2. *prefill*: each row starts from its prefix gathered from the pool; only the new tokens run
    through the model, all rows in one forward (one long prompt alone, in chunks). The new K/V
    are written to the pool at the new slots, each prompt is inserted into the radix tree
