@@ -1180,6 +1180,8 @@ class Engine:
             return
         head = [self._waiting.popleft()
                 for _ in range(min(len(self._waiting), SHORTEST_FIRST_LOOKAHEAD))]
+        # Only the order uses these matches: admission matches each request again, since
+        # reserving slots for one may evict prefixes another matched here.
         todo = {id(r): len(r.tokens) - self._match(r.tokens)[2] for r in head}
         order = sorted(head, key=lambda r: (r.overtaken < MAX_OVERTAKEN, todo[id(r)]))
         self._waiting.extendleft(reversed(order))
