@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -298,9 +299,10 @@ class RadixCache:
     def _match_len(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
         """Length of the common prefix of ``key`` and ``tokens[start:]``, in whole pages."""
         n = min(len(key), len(tokens) - start)
-        i = 0
-        while i < n and key[i] == tokens[start + i]:
-            i += 1
+        # The first index where they differ, at C speed (a Python loop cost 2 ms a request
+        # over a 512-token prefix): ``compress`` yields the indices where ``ne`` is true.
+        part = itertools.islice(tokens, start, start + n)
+        i = next(itertools.compress(itertools.count(), map(operator.ne, key, part)), n)
         return i - i % self.page_size
 
     def _split(self, child: TreeNode, at: int, tick: int) -> TreeNode:
@@ -374,6 +376,38 @@ class RadixCache:
         if with_state.state is not None:
             with_state.state_access = tick
         return PrefixMatch(slots, node, with_state)
+
+    def peek(self, tokens: Sequence[int], extra_key: Hashable | None = None
+             ) -> tuple[int, int]:
+        """``(matched, state_depth)``: how many leading tokens of ``tokens`` the tree holds
+        (whole pages) and the depth of the deepest state on them (0: none), as
+        ``match_prefix`` would find them, but read-only: no edge is split and nothing is marked
+        used, so a scheduler may ask it of every waiting request each step. It does not
+        validate ``tokens`` (it changes nothing); a value that is no token id matches nothing.
+
+        Examples:
+            >>> cache = RadixCache()
+            >>> cache.insert([1, 2, 3], [10, 11, 12])
+            0
+            >>> cache.peek([1, 2, 9]), cache.peek([7])
+            ((2, 0), (0, 0))
+        """
+        _check_extra_key(extra_key)
+        node = self._roots.get(extra_key)
+        i = state_depth = 0
+        n = len(tokens) - len(tokens) % self.page_size
+        while node is not None and i < n:
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            m = self._match_len(child.key, tokens, i)
+            if m < len(child.key):  # the match ends inside this edge: its state is past it
+                return i + m, state_depth
+            i += m
+            node = child
+            if node.state is not None:
+                state_depth = node.depth
+        return i, state_depth
 
     def insert(
         self, tokens: Sequence[int], slots: Sequence[int], extra_key: Hashable | None = None

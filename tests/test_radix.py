@@ -73,6 +73,16 @@ def test_insert_then_match_longest_prefix_and_split():
     assert cache.total_size == 4
 
 
+def test_peek_splits_nothing_and_leaves_the_lru_order():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.insert([5, 6], [14, 15])
+    before = cache.pretty()
+    assert cache.peek([1, 2, 9]) == (2, 0) and cache.peek([5, 6, 7]) == (2, 0)
+    assert cache.pretty() == before  # no split
+    assert cache.evict(2).slots == [10, 11, 12, 13]  # [1, 2, 3, 4] is still the oldest
+
+
 def test_insert_returns_already_cached_and_keeps_tree_slots():
     cache = RadixCache()
     assert cache.insert([1, 2, 3], [10, 11, 12]) == 0
@@ -547,7 +557,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.next_slot = 1
 
     def check_match(self, tokens, extra_key):
+        peeked = self.cache.peek(tokens, extra_key)  # read-only: before the split
         slots, node, _ = self.cache.match_prefix(tokens, extra_key)
+        assert peeked == (len(slots), 0)
         want, handle = self.ref.match_prefix(tokens, extra_key)
         assert slots == want
         assert depth(node) == len(handle[1])

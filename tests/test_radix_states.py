@@ -93,8 +93,9 @@ class TreeWithStates(RuleBasedStateMachine):
 
     @rule(tokens=tokens_st)
     def match(self, tokens):
-        got = self.tree.match_prefix(tokens)
         slots, depth = self.model_match(tokens)
+        assert self.tree.peek(tokens) == (len(slots), depth)  # read-only, before the split
+        got = self.tree.match_prefix(tokens)
         assert got.slots == slots
         assert got.state_node.depth == depth <= len(got.slots)
         assert got.node.depth == len(got.slots)
