@@ -139,15 +139,17 @@ class RaggedKVCache:
     @classmethod
     def from_pool(
         cls, pool: KVPool, layer: int, prefixes: Sequence[Sequence[int]],
-        window: int | None = None,
+        window: int | None = None, reserve: int = 0,
     ) -> RaggedKVCache:
         """Row ``i`` holds ``layer``'s K/V at slots ``prefixes[i]`` of ``pool`` (lazy gather);
         with a ``window``, only its last ``window - 1`` tokens, all that the next query sees.
+        ``reserve``: room for that many more tokens per row, so that the coming prefill
+        writes into the buffer rather than growing (copying) it.
 
         Each prefix is a list of int slot ids (or a NumPy int array), checked like any host
         slots (``mlxcache.pool.host_slots``).
 
-        The gather is one ``take`` over a ``(B, max_prefix)`` slot table padded with slot 0.
+        The gather is one ``take`` over a ``(B, width)`` slot table padded with slot 0.
         It is an MLX graph node that reads ``pool``: evaluate the forward that uses this cache
         before writing to the pool, so that the write happens in place.
 
@@ -159,26 +161,81 @@ class RaggedKVCache:
             >>> c.offset.tolist(), c.row(0)[0].shape
             ([2, 0, 1], (1, 2, 2, 4))
         """
+        return cls.from_pool_layers(pool, [layer], prefixes, [window], reserve)[0]
+
+    @classmethod
+    def from_pool_layers(
+        cls, pool: KVPool, layers: Sequence[int], prefixes: Sequence[Sequence[int]],
+        windows: Sequence[int | None], reserve: int = 0,
+    ) -> list[RaggedKVCache]:
+        """``from_pool`` for several layers at once (``windows[i]`` is ``layers[i]``'s): the
+        prefixes are checked and the slot table built once for all layers of a window.
+
+        Examples:
+            >>> import mlx.core as mx
+            >>> from mlxcache.pool import init_pool
+            >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=2, head_dim=4)
+            >>> a, b = RaggedKVCache.from_pool_layers(pool, [0, 1], [[5, 6], [7]], [None, 2])
+            >>> a.offset.tolist(), b.offset.tolist(), b.lengths   # b keeps 1 token a row
+            ([2, 1], [2, 1], [1, 1])
+        """
         if isinstance(prefixes, str | bytes) or not isinstance(prefixes, Sequence):
             raise ValueError(f"prefixes must be a list of slot lists, got {prefixes!r:.60}")
-        rows = [host_slots(f"prefixes[{i}]", p, pool.num_slots) for i, p in enumerate(prefixes)]
-        cache = cls(len(rows), window)
-        if window is not None:  # a sliding layer reads only the last window - 1 tokens
-            cache.starts = [max(0, len(r) - (window - 1)) for r in rows]
-            rows = [r[s:] for r, s in zip(rows, cache.starts, strict=True)]
-        widest = max(map(len, rows), default=0)
+        checked = [host_slots(f"prefixes[{i}]", p, pool.num_slots)
+                   for i, p in enumerate(prefixes)]
+        tables: dict[int | None, tuple] = {}
+        out = []
+        for layer, window in zip(layers, windows, strict=True):
+            if window not in tables:
+                tables[window] = cls._slot_table(checked, window, reserve)
+            starts, lengths, table = tables[window]
+            cache = cls(len(checked), window)
+            cache.starts = list(starts)
+            if table is not None:
+                width = table.shape[0] // len(checked)
+                k, v = get_kv(pool, layer, table)
+                b, h = len(checked), pool.n_kv_heads
+                cache.keys = mx.contiguous(k.reshape(b, width, h, pool.head_dim).swapaxes(1, 2))
+                cache.values = mx.contiguous(
+                    v.reshape(b, width, h, pool.v_head_dim).swapaxes(1, 2))
+                cache.lengths = list(lengths)
+            out.append(cache)
+        return out
+
+    @classmethod
+    def _slot_table(cls, rows: list[np.ndarray], window: int | None, reserve: int
+                    ) -> tuple[list[int], list[int], mx.array | None]:
+        """``(starts, lengths, table)`` of rows of prefix slots: a sliding layer keeps only
+        each row's last ``window - 1`` tokens, all that the next query sees; ``table`` is the
+        flat ``[B * width]`` gather of the buffer, None if every row is empty.
+
+        The gather fills the whole buffer, ``width`` a multiple of ``step`` with room for
+        ``reserve`` more tokens (so the coming prefill writes in place, not into a grown
+        copy); its tail is slot 0, the sink: padding, never read (lengths and masks bound
+        every read), so no zeroed buffer is written twice."""
+        starts = [0] * len(rows)
+        if window is not None:
+            starts = [max(0, len(r) - (window - 1)) for r in rows]
+            rows = [r[s:] for r, s in zip(rows, starts, strict=True)]
+        lengths = [len(r) for r in rows]
+        widest = max(lengths, default=0)
         if widest == 0:
-            return cache
-        table = np.zeros((len(rows), widest), dtype=np.int32)  # padded with slot 0, the sink
+            return starts, lengths, None
+        width = cls.step * -(-(widest + max(reserve, 0)) // cls.step)
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = r
+        return starts, lengths, mx.array(table.reshape(-1))
+        # The gather fills the whole buffer: its tail (slot 0, the sink) is padding, never
+        # read (lengths and masks bound every read), so no zeroed buffer is written twice.
+        width = cls.step * -(-(widest + max(reserve, 0)) // cls.step)
+        table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
             table[i, : len(r)] = r
         k, v = get_kv(pool, layer, mx.array(table.reshape(-1)))
         b, h = len(prefixes), pool.n_kv_heads
-        k = k.reshape(b, widest, h, pool.head_dim).swapaxes(1, 2)
-        v = v.reshape(b, widest, h, pool.v_head_dim).swapaxes(1, 2)
-        cache._grow(b, widest, k, v)
-        cache.keys[:b, :, :widest] = k
-        cache.values[:b, :, :widest] = v
+        cache.keys = mx.contiguous(k.reshape(b, width, h, pool.head_dim).swapaxes(1, 2))
+        cache.values = mx.contiguous(v.reshape(b, width, h, pool.v_head_dim).swapaxes(1, 2))
         cache.lengths = [len(r) for r in rows]
         return cache
 

@@ -123,6 +123,16 @@ cost one by one (measured, a tiny llama: a row of 16-48 tokens costs 0.6-0.9 of 
 alone in a batch of 2-16, a 256-token row more), so a large batch only makes every first token
 wait for the last row's; a GPU amortizes a forward's fixed cost over many rows."""
 
+CPU_FORWARD_COST_TOKENS = 14
+"""A prefill forward's fixed cost on MLX's CPU device, in prompt tokens of compute (a tiny
+llama, measured: a batch of ``b`` rows of 16 tokens over a cached 512-token prefix took
+4.3 ms + 5.0 ms a row, 0.31 ms a token). Admission sizes the prefill batch by it: ``N``
+waiting requests of ``n`` uncached tokens on average, served in batches of ``b``, finish
+(first tokens) in a mean time that is least at ``b = sqrt(cost * N / n)`` (the sum of
+completion times of equal batches, ``(a + b r) N (N / b + 1) / 2``, is least where
+``b^2 = a N / r``); so a long queue of short suffixes goes in small batches, cold prompts
+alone."""
+
 SHORTEST_FIRST_LOOKAHEAD = 64
 """Admission takes the request with the fewest uncached tokens among the first this many
 waiting (ties: the earliest)."""
@@ -591,10 +601,14 @@ class Engine:
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        # With no cap given, on MLX's CPU device the batch is also sized for the mean TTFT
+        # (CPU_FORWARD_COST_TOKENS); a GPU amortizes a forward's fixed cost over many rows.
+        self._forward_cost: float | None = None
         if opts["prefill_batch_tokens"] is not None:
             self.prefill_batch_tokens = opts["prefill_batch_tokens"]
         elif mx.default_device().type == mx.DeviceType.cpu:
             self.prefill_batch_tokens = CPU_PREFILL_BATCH_TOKENS
+            self._forward_cost = CPU_FORWARD_COST_TOKENS
         else:
             self.prefill_batch_tokens = prefill_step_size
         self.vocab_size = _vocab_size(model)
@@ -1080,7 +1094,7 @@ class Engine:
         to the stream of the thread that built it, and another thread evaluating it fails
         ("There is no Stream(cpu, N) in current thread"); a scheduled one any thread may wait
         on. So the next call gets only scheduled arrays, whichever thread makes it. (The pool
-        is evaluated after each write already.)"""
+        is scheduled after each write already.)"""
         arrays = []
         for group in self._groups:
             arrays.append(group.feed)
@@ -1143,15 +1157,24 @@ class Engine:
             return slots, node, 0, None
         return slots, node, at.depth, at.state
 
+    def _cached(self, tokens: list[int]) -> int:
+        """The tokens ``_match`` would let a request skip, from a read-only ``peek``."""
+        if not self.has_states:
+            return min(self._tree.peek(tokens)[0], len(tokens) - 1)
+        return self._tree.peek(tokens[:-1])[1]
+
     def _admit_batch(self, batch: list[_Request]) -> None:
         """Move the next prefill batch from the waiting queue into ``batch`` (maybe none: the
         pool is full). ``batch`` is filled in place so that an exception part-way leaves every
         reserved request in it, for ``_abort`` to drop."""
         widest = total = 0
         running = self._num_running()
-        if self.reuse:
-            self._shortest_first()
-        while self._waiting and running + len(batch) < self.max_batch_size:
+        todo = self._shortest_first() if self.reuse else None
+        most = self.max_batch_size - running
+        if todo and self._forward_cost is not None:  # sized for the mean TTFT
+            mean = sum(todo) / len(todo)
+            most = min(most, max(1, round(math.sqrt(self._forward_cost * len(todo) / mean))))
+        while self._waiting and len(batch) < most:
             req = self._waiting[0]
             slots, node, cached, restore = (self._match(req.tokens) if self.reuse
                                             else ([], None, 0, None))
@@ -1172,19 +1195,21 @@ class Engine:
             req.state = "prefill"
             widest, total = max(widest, todo), total + todo
 
-    def _shortest_first(self) -> None:
+    def _shortest_first(self) -> list[int]:
         """Reorder the head of the waiting queue by uncached tokens, fewest first (stable),
         among the first ``SHORTEST_FIRST_LOOKAHEAD``; a request overtaken ``MAX_OVERTAKEN``
-        times keeps its place ahead of the rest."""
+        times keeps its place ahead of the rest. Returns the head's uncached counts."""
         if len(self._waiting) < 2:
-            return
+            return [len(r.tokens) - self._cached(r.tokens) for r in self._waiting]
         head = [self._waiting.popleft()
                 for _ in range(min(len(self._waiting), SHORTEST_FIRST_LOOKAHEAD))]
-        # Only the order uses these matches: admission matches each request again, since
-        # reserving slots for one may evict prefixes another matched here.
-        todo = {id(r): len(r.tokens) - self._match(r.tokens)[2] for r in head}
+        # Only the order uses these counts (read-only peeks: no split, no LRU touch):
+        # admission matches each request again, since reserving slots for one may evict
+        # prefixes another counted here.
+        todo = {id(r): len(r.tokens) - self._cached(r.tokens) for r in head}
         order = sorted(head, key=lambda r: (r.overtaken < MAX_OVERTAKEN, todo[id(r)]))
         self._waiting.extendleft(reversed(order))
+        return list(todo.values())
 
     def _shares_uncached(self, req: _Request, cached: int, batch: list[_Request]) -> bool:
         """Would ``req`` reuse enough of a batch member's prompt, once it is inserted?"""
@@ -1247,8 +1272,13 @@ class Engine:
             for i in taken:
                 points[i].pop(0)
             snaps += self._snapshot(caches, taken, [stop[i] for i in taken])
-            mx.eval(_arrays_in([c.state for c in leaves(caches)]),
-                    _arrays_in([self._states and self._states.arrays]))
+            # Each chunk is evaluated before the next is built (bounded memory, as mlx-lm's
+            # prefill); the last one only scheduled, so building the last tokens' forward
+            # overlaps its compute.
+            final = stop == ends
+            (mx.async_eval if final else mx.eval)(
+                _arrays_in([c.state for c in leaves(caches)]),
+                _arrays_in([self._states and self._states.arrays]))
             pos = stop
         last = self.model(mx.array([t[-1:] for t in todo]), cache=caches)[:, -1, :]
         tokens = self._sample(reqs, last)
@@ -1275,10 +1305,14 @@ class Engine:
         if not self.reuse:
             return build(layout, len(reqs))
         prefixes = [r.tree_slots[: r.cached] for r in reqs]
+        widest = max(len(r.tokens) - r.cached for r in reqs)  # the prefill's widest row
         flat = list(layout.leaves)
         out: list[Any] = [None] * len(flat)
-        for layer, i in enumerate(layout.kv_leaves):
-            out[i] = RaggedKVCache.from_pool(self._pool, layer, prefixes, flat[i].window)
+        kv = RaggedKVCache.from_pool_layers(
+            self._pool, range(len(layout.kv_leaves)), prefixes,
+            [flat[i].window for i in layout.kv_leaves], reserve=widest)
+        for i, cache in zip(layout.kv_leaves, kv, strict=True):
+            out[i] = cache
         if self.has_states:
             restoring = [k for k, r in enumerate(reqs) if r.restore is not None]
             got = (get_states(self._states, [reqs[k].restore for k in restoring])
@@ -1329,7 +1363,7 @@ class Engine:
                 [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
                 [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
             )
-            mx.eval(self._pool)
+            mx.async_eval(self._pool)  # scheduled (in place); the tree work below overlaps it
         for req in reqs:
             self._insert(req.tokens, req.tree_slots + req.pending, len(req.tree_slots))
             req.pending = []
