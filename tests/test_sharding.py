@@ -335,6 +335,35 @@ def test_engine_on_a_2x4_mesh_equals_the_unsharded_engine(engines):
     assert {m for m, *_ in s.buckets} == {1, 2}  # EXTEND (decodes riding along) and DECODE
 
 
+def test_continuous_batching_on_a_2x4_mesh_equals_serving_alone(engines):
+    """test_serving's continuous-batching check on the mesh: requests of random lengths
+    arriving at random steps, more than both shards hold at once, greedy and seeded sampling;
+    every output equals the unsharded engine serving that request alone."""
+    ref, eng = engines
+    rng = np.random.default_rng(3)
+    n = 24
+    lens, news = rng.integers(1, 20, n), rng.integers(1, 5, n)
+    prompts = [rng.integers(0, 64, int(k)).tolist() for k in lens]
+    kinds = [dict(), dict(temperature=0.8, seed=11), dict(temperature=1.0, top_k=5, seed=12),
+             dict(temperature=0.7, top_p=0.9, seed=13)]
+    order = rng.permutation(n)
+    rid_of, outs, arrived, waited, shards = {}, {}, 0, False, set()
+    while arrived < n or eng.has_unfinished():
+        for _ in range(rng.integers(0, 4) if arrived < n else 0):  # random arrivals
+            if arrived < n:
+                i = int(order[arrived])
+                rid_of[eng.add_request(prompts[i], int(news[i]), **kinds[i % 4])] = i
+                arrived += 1
+        waited |= eng.num_waiting > 0
+        shards |= {r.shard for r in eng.scheduler.running}
+        for rid, tok, _ in eng.step():
+            outs.setdefault(rid_of[rid], []).append(tok)
+    assert waited and shards == {0, 1}
+    for i in range(n):
+        assert outs[i] == ref.generate([prompts[i]], int(news[i]), **kinds[i % 4])[0], i
+    assert eng.num_free_slots == eng.capacity
+
+
 def test_engine_on_a_mesh_streams_aborts_and_generates(engines):
     ref, eng = engines
     prompts, news = _workload()
