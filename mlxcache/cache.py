@@ -226,18 +226,6 @@ class RaggedKVCache:
         for i, r in enumerate(rows):
             table[i, : len(r)] = r
         return starts, lengths, mx.array(table.reshape(-1))
-        # The gather fills the whole buffer: its tail (slot 0, the sink) is padding, never
-        # read (lengths and masks bound every read), so no zeroed buffer is written twice.
-        width = cls.step * -(-(widest + max(reserve, 0)) // cls.step)
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = r
-        k, v = get_kv(pool, layer, mx.array(table.reshape(-1)))
-        b, h = len(prefixes), pool.n_kv_heads
-        cache.keys = mx.contiguous(k.reshape(b, width, h, pool.head_dim).swapaxes(1, 2))
-        cache.values = mx.contiguous(v.reshape(b, width, h, pool.v_head_dim).swapaxes(1, 2))
-        cache.lengths = [len(r) for r in rows]
-        return cache
 
     # -------------------------------------------------------------- rows (host side) ----
 

@@ -13,7 +13,9 @@ One request's life (prefix reuse on):
    that fails while other requests run, the request waits for them to finish. Requests are
    admitted fewest uncached tokens first, together into one *prefill batch* while their
    padded new tokens fit ``prefill_step_size`` and their uncached tokens
-   ``prefill_batch_tokens``; a request that shares a good part of its uncached tokens with one
+   ``prefill_batch_tokens`` (on MLX's CPU device also at most ``round(sqrt(c N / n))`` of the
+   ``N`` waiting, ``n`` uncached tokens each on average: ``CPU_FORWARD_COST_TOKENS``); a
+   request that shares a good part of its uncached tokens with one
    already in the batch waits for the next batch, so that it reuses that prefix once inserted.
    While requests wait, prefill batches run back to back, before the next decode step.
 2. *prefill*: each row starts from its prefix gathered from the pool; only the new tokens run
@@ -504,7 +506,8 @@ class Engine:
         prefill_step_size: most tokens (padding included) in one prefill forward; a longer
             prompt runs alone, in chunks of this many tokens.
         prefill_batch_tokens: most uncached tokens admitted into one prefill batch (a request
-            alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device,
+            alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, and
+            there the batch is also sized for the mean TTFT (``CPU_FORWARD_COST_TOKENS``);
             ``prefill_step_size`` on a GPU.
 
     Scheduling, for time to first token: a step that admitted a prefill batch does not decode

@@ -293,6 +293,38 @@ def test_shortest_uncached_first_and_prefill_first(llama_model):
     assert_intact(engine)
 
 
+def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatch):
+    """On MLX's CPU device (no cap given) a prefill batch takes round(sqrt(cost * N / mean
+    uncached)) of the N waiting: many short suffixes in a few batches, cold prompts alone;
+    an explicit ``prefill_batch_tokens`` is only a cap. Outputs stay mlx-lm's."""
+    import mlxcache.engine as eng
+
+    rng = random.Random(23)
+    sizes: list[int] = []
+    prefill = eng.Engine._prefill
+    monkeypatch.setattr(eng.Engine, "_prefill",
+                        lambda self, reqs: sizes.append(len(reqs)) or prefill(self, reqs))
+    engine = Engine(llama_model, num_slots=1024)
+    assert engine._forward_cost == eng.CPU_FORWARD_COST_TOKENS == 14  # the tests run on CPU
+    prefix = tokens(rng, 24)
+    engine.generate([prefix], max_tokens=1)
+    sizes.clear()
+    short = [prefix + tokens(rng, 2) for _ in range(16)]  # 2 uncached tokens each
+    assert engine.generate(short, max_tokens=2) == [reference(llama_model, p, 2) for p in short]
+    assert sizes == [11, 5]  # round(sqrt(14 * 16 / 2)) = 11, then the 5 left
+    sizes.clear()
+    cold = [tokens(rng, 40) for _ in range(4)]
+    engine.generate(cold, max_tokens=1)
+    assert sizes == [1, 1, 1, 1]  # round(sqrt(14 * 4 / 40)) = 1
+    sizes.clear()
+    capped = Engine(llama_model, num_slots=1024, prefill_batch_tokens=128)
+    capped.generate([prefix], max_tokens=1)
+    sizes.clear()
+    capped.generate(short, max_tokens=1)
+    assert sizes == [16]  # a cap alone: all 16 fit 128 tokens
+    assert_intact(engine)
+
+
 def test_a_long_request_is_not_overtaken_forever(llama_model, monkeypatch):
     """A waiting request overtaken MAX_OVERTAKEN times by shorter ones goes next."""
     import mlxcache.engine as eng
