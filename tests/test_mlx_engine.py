@@ -305,17 +305,17 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
     monkeypatch.setattr(eng.Engine, "_prefill",
                         lambda self, reqs: sizes.append(len(reqs)) or prefill(self, reqs))
     engine = Engine(llama_model, num_slots=1024)
-    assert engine._forward_cost == eng.CPU_FORWARD_COST_TOKENS == 14  # the tests run on CPU
+    assert engine._forward_cost == eng.CPU_FORWARD_COST_TOKENS == 28  # the tests run on CPU
     prefix = tokens(rng, 24)
     engine.generate([prefix], max_tokens=1)
     sizes.clear()
     short = [prefix + tokens(rng, 2) for _ in range(16)]  # 2 uncached tokens each
     assert engine.generate(short, max_tokens=2) == [reference(llama_model, p, 2) for p in short]
-    assert sizes == [11, 5]  # round(sqrt(14 * 16 / 2)) = 11, then the 5 left
+    assert sizes == [15, 1]  # round(sqrt(28 * 16 / 2)) = 15, then the one left
     sizes.clear()
-    cold = [tokens(rng, 40) for _ in range(4)]
+    cold = [tokens(rng, 60) for _ in range(4)]
     engine.generate(cold, max_tokens=1)
-    assert sizes == [1, 1, 1, 1]  # round(sqrt(14 * 4 / 40)) = 1
+    assert sizes == [1, 1, 1, 1]  # round(sqrt(28 * 4 / 60)) = 1
     sizes.clear()
     capped = Engine(llama_model, num_slots=1024, prefill_batch_tokens=128)
     capped.generate([prefix], max_tokens=1)
