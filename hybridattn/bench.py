@@ -1,7 +1,8 @@
 """Benchmarks: ours and an independent anchor side by side, in one run.
 
     python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
-    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32] [--plot DIR]
+    python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
+                                     [--compile-layers 4 12 27] [--plot DIR]
     python -m hybridattn.bench serve --mesh 2x4 [--json] [--quick]
     python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench longctx [--json] [--quick] [--compare-chunk N] [--plot DIR]
@@ -23,7 +24,26 @@ small Kimi-Linear (random weights, f32, CPU) against mlx-lm's ``kimi_linear`` on
 weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.generate`` when
 torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
 and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
-of weights and state a step must read, over this machine's measured bandwidth).
+of weights and state a step must read, over this machine's measured bandwidth). Where our
+step's time goes, per prefill and per decode step (medians over the timed steps):
+
+- **host**: the Python side of the step's scheduling round outside the wait for its outputs
+  (planning, packing the batch, the jitted call until it returns: argument flattening,
+  transfers and dispatch; then committing the tokens), from ``EngineStats.*_host_seconds``;
+  **wait**: the time then blocked on the outputs (``*_wait_seconds``);
+- **device**: the step alone: its inputs are captured during the compiling run (the state
+  copied before the step donates it, the batch put on the device), then the jitted step runs
+  on a fresh copy of that state, timed from the call to its outputs ready; the median of
+  several runs. It is the device's work plus the C++ dispatch of one call; host + device is
+  what a step would cost if nothing overlapped, max(host, device) if all of it did.
+
+Also: the compile time of each step bucket the engines compiled (``(mode, requests, tokens,
+kv width, extend)`` to the wall time of the step that compiled it); the compile time of the
+step (trace, lower, XLA compile) against the layer count, on
+``KimiLinearConfig.tiny(num_hidden_layers=n)`` for ``--compile-layers`` (default 4 12 27;
+``--quick`` 4 12), for its smallest prefill and its decode bucket; and a 24-token prefill
+against a 1024-token one on one engine with the default bucket ladders, beside issue 20's
+target (the small one at most 1/25 of the large).
 
 ``serve --mesh DxT``: the serving step sharded over a ``(data, tensor)`` mesh of ``D*T`` CPU
 devices (``hybridattn.sharding``; ``jax_num_cpu_devices`` is set before JAX starts) on the
@@ -378,9 +398,102 @@ def serve_config():
     )
 
 
-def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict:
+STEP_KINDS = ("prefill", "decode")
+"""The two kinds of step ``bench serve`` times apart (an ``EXTEND`` step that runs prompt
+tokens, a ``DECODE`` step)."""
+
+SMALL_PREFILL_TARGET = 25
+"""Issue 20's target: a 24-token prefill costs at most 1/25 of a 1024-token one."""
+
+COMPILE_LAYERS = (4, 12, 27)
+"""Layer counts of ``bench serve``'s compile-time rows (``--quick``: 4 and 12)."""
+
+
+def _median(xs) -> float | None:
+    return float(np.median(xs)) if len(xs) else None
+
+
+def _capture_steps(engine) -> dict:
+    """Spy on ``engine``'s jitted calls: the returned dict gets, for the first prefill and
+    the first decode step it runs, ``(fn, params, state, batch)`` with the state copied
+    before the step donates it and the batch already on the device, for ``_step_alone``.
+    ``del engine._call`` ends the spying. The copies cost time: spy on an untimed run."""
+    from hybridattn.backend import ForwardMode
+
+    captured: dict = {}
+    call = engine._call
+
+    def spy(fn, *args, **kwargs):
+        if fn is engine._jit.step:
+            params, state, batch = args
+            kind = "decode" if batch.forward_mode == ForwardMode.DECODE else "prefill"
+            if kind not in captured:
+                captured[kind] = (fn, params, jax.tree.map(lambda x: x.copy(), state),
+                                  jax.device_put(batch))
+        return call(fn, *args, **kwargs)
+
+    engine._call = spy
+    return captured
+
+
+def _step_alone(captured, rounds: int) -> list[float]:
+    """Seconds of ``rounds`` runs of a captured step alone (after one untimed run), each on a
+    fresh copy of its state: from the call, its arguments prepared on the device, to its
+    outputs ready. That is the device's work plus the C++ dispatch of one call."""
+    fn, params, state, batch = captured
+    times = []
+    for _ in range(rounds + 1):
+        fresh = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(params, fresh, batch))
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
+    """Serve ``prompts`` one ``Engine.step`` at a time: the tokens, and for each step that
+    did not compile its seconds (``step_s``: packing to outputs), the Python side of its
+    round (``host_s``) and its wait for the outputs (``wait_s``), from ``EngineStats``."""
+    rids = [engine.add_request(p, new_tokens) for p in prompts]
+    out: dict[int, list[int]] = {r: [] for r in rids}
+    steps: dict[str, list[dict]] = {k: [] for k in STEP_KINDS}
+    fields = ("seconds", "host_seconds", "wait_seconds")
+
+    def sums():
+        return {k: [getattr(engine.stats, f"{k}_{f}") for f in fields] for k in STEP_KINDS}
+
+    while engine.has_unfinished():
+        before = sums()
+        for rid, tok, _ in engine.step():
+            out[rid].append(tok)
+        for k, after in sums().items():
+            d = [a - b for a, b in zip(after, before[k], strict=True)]
+            if d[0] > 0:
+                steps[k].append(dict(step_s=d[0], host_s=d[1], wait_s=d[2]))
+    return [out[r] for r in rids], steps
+
+
+def _bucket_rows(bucket_seconds: dict) -> list[dict]:
+    """``EngineStats.bucket_compile_seconds`` as JSON rows: mode, the bucket's sizes, s."""
+    from hybridattn.backend import ForwardMode
+
+    rows = []
+    for key, sec in bucket_seconds.items():
+        mode, B, T, W, Q, *snaps = key
+        row = dict(mode=ForwardMode(mode).name.lower(), requests=B, tokens=T, kv_width=W,
+                   max_extend_len=Q, s=sec)
+        if snaps:
+            row["snapshots"] = snaps[0]
+        rows.append(row)
+    return rows
+
+
+def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: int,
+                device_rounds: int = 20) -> dict:
     """Our engine on ``prompts [B, P]``: all prompts in one prefill step, then
-    ``new_tokens - 1`` decode steps; best of ``repeats`` runs after a compiling run."""
+    ``new_tokens - 1`` decode steps; best of ``repeats`` runs after a compiling run, and
+    per step (medians over the repeats' steps) the engine's host and wait seconds, and the
+    step alone on its captured inputs (``device_rounds`` runs, ``_step_alone``)."""
     from hybridattn.engine import Engine
 
     B, P = prompts.shape
@@ -391,31 +504,133 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
                     num_token_slots=B * ctx + 1, chunked_prefill_size=B * P,
                     request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,),
                     prefix_cache=False)
+    captured = _capture_steps(engine)
     t0 = time.perf_counter()
     tokens = engine.generate(prompts.tolist(), new_tokens)  # compiles
     first_run_s = time.perf_counter() - t0
+    del engine._call  # the spy
     compiles, compile_s = engine.stats.num_compilations, engine.stats.compile_seconds
+    buckets = _bucket_rows(engine.stats.bucket_compile_seconds)
     best_prefill = best_step = math.inf
+    samples: dict[str, list[dict]] = {k: [] for k in STEP_KINDS}
     for _ in range(repeats):
-        engine.stats = type(engine.stats)()
-        again = engine.generate(prompts.tolist(), new_tokens)
+        engine.reset_stats()
+        again, steps = _serve_by_step(engine, prompts.tolist(), new_tokens)
         assert again == tokens, "the engine is not deterministic"
         s = engine.stats
         best_prefill = min(best_prefill, s.prefill_seconds)
         if s.decode_tokens:
             best_step = min(best_step, s.decode_seconds / (s.decode_tokens / B))
+        for k in STEP_KINDS:
+            samples[k] += steps[k]
+    per_step = {}
+    for k in STEP_KINDS:
+        if k not in captured:
+            continue
+        alone = _step_alone(captured[k], device_rounds if k == "decode"
+                            else max(3, device_rounds // 4))
+        per_step[k] = dict(steps=len(samples[k]),
+                           **{f: _median([x[f] for x in samples[k]])
+                              for f in ("step_s", "host_s", "wait_s")},
+                           device_s=_median(alone), device_runs=len(alone))
+    captured.clear()  # the state copies
     out = dict(engine="ours", batch_size=B, prompt_len=P, new_tokens=new_tokens,
                prefill_s=best_prefill, prefill_tok_s=B * P / best_prefill,
                decode_step_s=best_step if new_tokens > 1 else None,
                decode_tok_s=B / best_step if new_tokens > 1 else None,
                compilations=compiles, compile_s=compile_s, first_run_s=first_run_s,
-               tokens=tokens)
+               per_step=per_step, bucket_compile_s=buckets, tokens=tokens)
     return out
+
+
+def _small_prefill(config, params, small: int = 24, large: int = 1024,
+                   rounds: int = 3) -> dict:
+    """One prompt of ``small`` and one of ``large`` tokens, each prefilled in one step of an
+    engine with the default bucket ladders (``chunked_prefill_size=large``, one request
+    row): median seconds of each prefill step over ``rounds`` interleaved rounds after a
+    compiling one, and how many times the small one fits in the large one."""
+    from hybridattn.engine import Engine
+
+    engine = Engine(config, params, max_running_requests=1, max_context_len=large,
+                    num_token_slots=large + 1, chunked_prefill_size=large, prefix_cache=False)
+    rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(1, config.vocab_size, n).tolist() for n in (small, large)}
+    for p in prompts.values():  # compiles
+        engine.generate([p], 1)
+    buckets = _bucket_rows(engine.stats.bucket_compile_seconds)
+    times: dict[int, list[float]] = {n: [] for n in prompts}
+    for _ in range(rounds):
+        for n, p in prompts.items():
+            engine.reset_stats()
+            engine.generate([p], 1)
+            times[n].append(engine.stats.prefill_seconds)
+    small_s, large_s = _median(times[small]), _median(times[large])
+    return dict(small_tokens=small, large_tokens=large, rounds=rounds, small_s=small_s,
+                large_s=large_s, small_fraction=small_s / large_s,
+                large_over_small=large_s / small_s, token_ratio=large / small,
+                target_large_over_small=SMALL_PREFILL_TARGET,
+                holds=large_s / small_s >= SMALL_PREFILL_TARGET,
+                token_buckets=list(engine.token_buckets), kv_buckets=list(engine.kv_buckets),
+                bucket_compile_s=buckets)
+
+
+def _compile_vs_layers(layers) -> list[dict]:
+    """For each layer count ``n``, ``KimiLinearConfig.tiny(num_hidden_layers=n)`` (the
+    released 3 KDA : 1 MLA pattern): seconds to trace, lower and XLA-compile the engine's
+    step for its smallest prefill bucket and its decode bucket (those ``Engine.warmup``
+    compiles: one request, one token)."""
+    from hybridattn.backend import ForwardMode
+    from hybridattn.config import KimiLinearConfig
+    from hybridattn.engine import Engine
+    from hybridattn.models import kimi_linear as M
+    from hybridattn.scheduler import bucket
+    from hybridattn.serving import WorkItem, make_worker_batch
+
+    rows = []
+    for n in layers:
+        cfg = KimiLinearConfig.tiny(num_hidden_layers=n)
+        e = Engine(cfg, M.init_params(cfg, jax.random.key(0)), max_running_requests=1,
+                   max_context_len=64, num_token_slots=65, prefix_cache=False)
+        W = bucket(1, e.kv_buckets, "width")
+        T = bucket(1, e.token_buckets, "tokens")
+        row: dict = dict(layers=n, kda_layers=cfg.num_kda_layers,
+                         mla_layers=len(cfg.full_attention_layer_ids))
+        for kind, mode, start, tokens, Q in (("prefill", ForwardMode.EXTEND, 0, T, T),
+                                             ("decode", ForwardMode.DECODE, 1, 1, 1)):
+            batch = make_worker_batch(
+                [WorkItem(1, start, [1])], vocab_size=cfg.vocab_size,
+                max_context_len=e.max_context_len, forward_mode=mode, num_requests=1,
+                num_tokens=tokens, kv_width=W, max_extend_len=Q,
+                snapshot_chunk=e.scheduler.chunk_size)
+            t0 = time.perf_counter()
+            traced = e._jit.step.trace(e.params, e.state, batch)
+            t1 = time.perf_counter()
+            lowered = traced.lower()
+            t2 = time.perf_counter()
+            lowered.compile()
+            t3 = time.perf_counter()
+            row[kind] = dict(bucket=[1, tokens, W, Q], trace_s=t1 - t0, lower_s=t2 - t1,
+                             compile_s=t3 - t2, s=t3 - t0)
+        row["total_s"] = row["prefill"]["s"] + row["decode"]["s"]
+        row["s_per_layer"] = row["total_s"] / n
+        # what one more layer costs (the rest of the total does not grow with the layers)
+        prev = rows[-1] if rows else None
+        row["added_s_per_layer"] = (None if prev is None or prev["layers"] == n else
+                                    (row["total_s"] - prev["total_s"]) / (n - prev["layers"]))
+        rows.append(row)
+    return rows
 
 
 def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 16,
                 repeats: int = 2, transformers: bool = True, config=None,
-                progress: bool = False) -> dict:
+                progress: bool = False, compile_layers=COMPILE_LAYERS,
+                small_prefill: tuple[int, int] | None = (24, 1024),
+                device_rounds: int = 20) -> dict:
+    """Run the serve benchmark (see the module docstring). ``compile_layers``: the layer
+    counts of the compile-time rows (empty: none); ``small_prefill``: the (small, large)
+    prompt lengths whose prefill steps are compared (None: not measured);
+    ``device_rounds``: runs of the decode step alone (a quarter of them, at least 3, for
+    the prefill step)."""
     from hybridattn import serve_anchors as A
     from hybridattn.models import kimi_linear as M
 
@@ -423,7 +638,8 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
     params = M.init_params(config, jax.random.key(0))
     bandwidth = A.memory_bandwidth_gbs()
     res: dict = dict(machine=_machine(), config=config.to_dict(), prompt_len=prompt_len,
-                     new_tokens=new_tokens, bandwidth_gbs=bandwidth, rows=[])
+                     new_tokens=new_tokens, bandwidth_gbs=bandwidth, rows=[],
+                     compilation_cache_dir=jax.config.jax_compilation_cache_dir)
     mlx_model = A.mlx_lm_model(config, params)
     reason = A.transformers_unavailable() if transformers else "not requested"
     tf_model = A.transformers_model(config, params) if reason is None else None
@@ -432,7 +648,7 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                           enabled=progress, leave=False):
         prompts = np.random.default_rng(B).integers(1, config.vocab_size, (B, prompt_len))
         row: dict = dict(batch_size=B)
-        row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats)
+        row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats, device_rounds)
         row["mlx_lm"] = A.mlx_lm_serve(config, params, prompts=prompts.tolist(),
                                        new_tokens=new_tokens, repeats=repeats, model=mlx_model)
         if tf_model is not None:
@@ -451,6 +667,11 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
             r.pop("tokens", None)
             r.pop("prompts", None)
         res["rows"].append(row)
+    if small_prefill is not None:
+        res["small_prefill"] = _small_prefill(config, params, *small_prefill,
+                                              rounds=max(3, 2 * repeats + 1))
+    if compile_layers:
+        res["compile_vs_layers"] = _compile_vs_layers(compile_layers)
     return res
 
 
@@ -1080,6 +1301,75 @@ def _print_serve(res: dict) -> None:
     print("note: MLX's Linux CPU wheel links a slow reference BLAS, so mlx-lm's matmuls are slow "
           "here;\nthe 'floor' rows (bytes of weights + state one decode step must read, over the "
           "measured\nbandwidth) are the hardware bound to read our decode step against.")
+    _print_serve_steps(res)
+
+
+def _ms(x) -> str:
+    return f"{'-':>6}" if x is None else f"{1e3 * x:6.2f}"
+
+
+def _print_serve_steps(res: dict) -> None:
+    """The columns of where our step's time goes (absent from results saved before them)."""
+    rows = [r for r in res["rows"] if "per_step" in r["ours"]]
+    if rows:
+        print()
+        print("ours per step, ms (medians): step = packing to outputs; host = the Python side of "
+              "the round\noutside the wait (plan, pack, dispatch, commit); wait = blocked on "
+              "the outputs;\ndevice = the step alone on its captured inputs, prepared on the "
+              "device")
+        hdr = (f"{'B':>3} | {'kind':>7} | {'steps':>5} | {'step':>6} | {'host':>6} | "
+               f"{'wait':>6} | {'device':>6} | host share")
+        print(hdr)
+        print("-" * len(hdr))
+        for row in rows:
+            for kind, e in row["ours"]["per_step"].items():
+                rnd = (e["host_s"] or 0) + (e["wait_s"] or 0)
+                share = f"{e['host_s'] / rnd:9.0%}" if rnd else f"{'-':>9}"
+                print(f"{row['batch_size']:>3} | {kind:>7} | {e['steps']:>5} | "
+                      f"{_ms(e['step_s'])} | {_ms(e['host_s'])} | {_ms(e['wait_s'])} | "
+                      f"{_ms(e['device_s'])} | {share}")
+        print()
+        print("compile s per step bucket (mode requests x tokens x kv width x extend): the "
+              "step's first run")
+        for row in rows:
+            print(f"{row['batch_size']:>3} | " + ", ".join(
+                f"{b['mode']} {b['requests']}x{b['tokens']}x{b['kv_width']}x"
+                f"{b['max_extend_len']} {b['s']:.1f}" for b in row["ours"]["bucket_compile_s"]))
+    sp = res.get("small_prefill")
+    if sp:
+        print()
+        print(f"small prefill (one request, default bucket ladders: tokens "
+              f"{tuple(sp['token_buckets'])}, width {tuple(sp['kv_buckets'])}): "
+              f"{sp['small_tokens']} tokens {1e3 * sp['small_s']:.1f} ms, {sp['large_tokens']} "
+              f"tokens {1e3 * sp['large_s']:.1f} ms:\n  the small one costs 1/"
+              f"{sp['large_over_small']:.1f} of the large (tokens: 1/{sp['token_ratio']:.0f}); "
+              f"target 1/{sp['target_large_over_small']} or less: "
+              f"{'holds' if sp['holds'] else 'MISSED'}; compiled "
+              + ", ".join(f"{b['tokens']}x{b['kv_width']} {b['s']:.1f} s"
+                          for b in sp["bucket_compile_s"]))
+    cl = res.get("compile_vs_layers")
+    if cl:
+        print()
+        print("compile s against layer count: KimiLinearConfig.tiny(num_hidden_layers=n), the "
+              "step's smallest\nprefill and its decode bucket (one request), trace + lower + "
+              "XLA compile each")
+        hdr = (f"{'layers':>6} | {'KDA+MLA':>7} | {'prefill s':>9} | {'decode s':>8} | "
+               f"{'total s':>7} | {'s/layer':>7} | {'+s/layer':>8} | {'XLA share':>9}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in cl:
+            xla = r["prefill"]["compile_s"] + r["decode"]["compile_s"]
+            added = r.get("added_s_per_layer")
+            print(f"{r['layers']:>6} | {r['kda_layers']:>3}+{r['mla_layers']:<3} | "
+                  f"{r['prefill']['s']:9.2f} | {r['decode']['s']:8.2f} | {r['total_s']:7.2f} | "
+                  f"{r['s_per_layer']:7.3f} | "
+                  + (f"{'-':>8}" if added is None else f"{added:8.3f}")
+                  + f" | {xla / r['total_s']:8.0%}")
+        print("+s/layer: what each layer added since the row above; XLA share: of the total, "
+              "XLA's compile\n(the rest is tracing and lowering)")
+    if res.get("compilation_cache_dir"):
+        print(f"note: JAX's compilation cache is on ({res['compilation_cache_dir']}): compile "
+              "times may be cache loads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1106,6 +1396,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the sharded step on a data x tensor mesh of CPU devices instead")
     sv.add_argument("--no-transformers", action="store_true",
                     help="skip transformers even when torch is installed")
+    sv.add_argument("--compile-layers", type=int, nargs="*", default=None, metavar="N",
+                    help="layer counts to time the step's compilation at (default: 4 12 27; "
+                         "--quick: 4 12; none given: skip)")
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
     px.add_argument("--json", action="store_true", help="print JSON instead of a table")
     px.add_argument("--quick", action="store_true", help="one timed round")
@@ -1165,10 +1458,18 @@ def main(argv: list[str] | None = None) -> int:
                                new_tokens=3 if args.quick else 4)
         return _emit(res, args.json, _print_serve_mesh, args.what, None)
     if args.what == "serve":
+        layers = args.compile_layers
+        if layers is None:
+            layers = COMPILE_LAYERS[:2] if args.quick else COMPILE_LAYERS
+        if any(n < 2 for n in layers):
+            p.error(f"--compile-layers {' '.join(map(str, layers))}: each must be at least 2 "
+                    "(a hybrid model has a KDA and an MLA layer)")
         return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                  repeats=1 if args.quick else 2,
-                                 transformers=not args.no_transformers, progress=True),
+                                 transformers=not args.no_transformers, progress=True,
+                                 compile_layers=tuple(layers),
+                                 device_rounds=10 if args.quick else 30),
                      args.json, table, args.what, args.plot)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices

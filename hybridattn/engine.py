@@ -387,7 +387,18 @@ class EngineStats(ServingStats):
     count: the step, one per new shape bucket, plus row allocation and release; JAX may load
     one from its cache when another engine of the same geometry compiled it); ``buckets``: the
     ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
-    new to it.
+    new to it, ``bucket_compile_seconds`` each of those to the wall time of the step that
+    compiled it (tracing, lowering, compiling and its first run; ``compile_seconds`` is their
+    sum).
+
+    Where a step's time goes (steps that compiled left out, as above): ``*_host_seconds``
+    is the Python side of those steps' rounds outside the wait for their outputs (planning
+    the step, packing the batch, the jitted call until it returns: argument flattening,
+    transfers, dispatch; then committing the sampled tokens); ``*_wait_seconds`` the time
+    then spent blocked on the outputs: the device's work that the host side did not
+    overlap. Host + wait is each round from planning to commit; ``prefill_seconds`` /
+    ``decode_seconds`` run from the packing to the outputs (``hybridattn.bench serve`` times
+    the step alone on the device apart).
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -402,6 +413,11 @@ class EngineStats(ServingStats):
     compile_seconds: float = 0.0
     buckets: set = dataclasses.field(default_factory=set)  # step shape buckets used
     compiled_buckets: list = dataclasses.field(default_factory=list)  # ... that compiled
+    bucket_compile_seconds: dict = dataclasses.field(default_factory=dict)  # bucket -> s
+    prefill_host_seconds: float = 0.0
+    prefill_wait_seconds: float = 0.0
+    decode_host_seconds: float = 0.0
+    decode_wait_seconds: float = 0.0
 
 
 class Engine:
@@ -980,29 +996,36 @@ class Engine:
                     raise
                 self.scheduler.admitted(adm, row)
             self._flush_ops()  # frees of what admission evicted, before the step allocates
+            t_plan = time.perf_counter()
             plan = self.scheduler.plan()
             if plan is None:
                 return False
-            self._run(plan)
+            self._run(plan, t_plan)
             self._flush_ops()
             return True
 
-    def _run(self, plan: StepPlan | ShardedPlan) -> None:
+    def _packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
+        """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
+        buckets: ``self._call(fn, self.params, self.state, batch)`` runs it."""
         B, T, W, Q = plan.buckets
         shape = dict(vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
                      forward_mode=plan.mode, num_requests=B, num_tokens=T, kv_width=W,
                      max_extend_len=Q, num_snapshots=plan.num_snapshots,
                      snapshot_chunk=self.scheduler.chunk_size)
+        if self._sharded is None:
+            return self._jit.step, make_worker_batch(plan.items(), **shape)
+        # one work list per data shard, one step for all of them
+        return self._sharded, self._sharded.make_batch(plan.items(), **shape)
+
+    def _run(self, plan: StepPlan | ShardedPlan, t_plan: float) -> None:
+        """Run ``plan`` (planned from ``t_plan`` on) and commit its tokens."""
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,))
         traces = self._compilations()
         t0 = time.perf_counter()
-        if self._sharded is None:
-            batch = make_worker_batch(plan.items(), **shape)
-            self.state, out = self._call(self._jit.step, self.params, self.state, batch)
-        else:  # one work list per data shard, one step for all of them
-            batch = self._sharded.make_batch(plan.items(), **shape)
-            self.state, out = self._call(self._sharded, self.params, self.state, batch)
+        fn, batch = self._packed(plan)
+        self.state, out = self._call(fn, self.params, self.state, batch)
+        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
         tokens = np.asarray(out.next_token_ids).tolist()  # [B], or [D][B] under a mesh
         if not np.all(out.ok):  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
@@ -1011,10 +1034,13 @@ class Engine:
         s = self.stats
         s.buckets.add(key)
         s.steps += 1
-        if self._compilations() > traces:  # this call compiled
+        compiled = self._compilations() > traces
+        prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
+        if compiled:  # this call compiled
             s.compiled_buckets.append(key)
+            s.bucket_compile_seconds[key] = now - t0
             s.compile_seconds += now - t0
-        elif plan.prompt_tokens:
+        elif prefill:
             s.prefill_tokens += plan.prompt_tokens
             s.prefill_seconds += now - t0
         else:
@@ -1032,6 +1058,14 @@ class Engine:
             sched.snapshots_taken, sched.state_evictions, sched.token_evictions)
         for event in events:
             self._sinks.get(event[0], self._outbox).append(event)
+        if not compiled:
+            host = (t_call - t_plan) + (time.perf_counter() - now)
+            if prefill:
+                s.prefill_host_seconds += host
+                s.prefill_wait_seconds += now - t_call
+            else:
+                s.decode_host_seconds += host
+                s.decode_wait_seconds += now - t_call
 
     def _admit_row(self, adm: Admission) -> int:
         """Allocate the admitted request's row on the device; with a cache hit the row also
@@ -1145,7 +1179,8 @@ class Engine:
         s = self.stats
         self.stats = EngineStats(num_compilations=s.num_compilations,
                                  compile_seconds=s.compile_seconds, buckets=s.buckets,
-                                 compiled_buckets=s.compiled_buckets)
+                                 compiled_buckets=s.compiled_buckets,
+                                 bucket_compile_seconds=s.bucket_compile_seconds)
 
     def stream(
         self,

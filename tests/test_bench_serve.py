@@ -1,0 +1,54 @@
+"""``bench serve``'s columns of where our step's time goes, on a 2-layer model: per-step host,
+wait and device medians, compile seconds per bucket, compile seconds against the layer count
+and the small-prefill ratio, in the JSON and in the table (the anchors and the long runs live
+in the bench itself)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from hybridattn import bench
+from hybridattn.config import KimiLinearConfig
+from hybridattn.models import kimi_linear
+
+CFG = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+
+
+def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
+    params = kimi_linear.init_params(CFG, jax.random.key(0))
+    prompts = np.random.default_rng(0).integers(1, CFG.vocab_size, (2, 8))
+    ours = bench._ours_serve(CFG, params, prompts, new_tokens=3, repeats=1, device_rounds=2)
+    steps = ours["per_step"]
+    assert set(steps) == {"prefill", "decode"}
+    assert steps["prefill"]["steps"] == 1 and steps["decode"]["steps"] == 2
+    for e in steps.values():
+        assert all(e[k] > 0 for k in ("step_s", "host_s", "wait_s", "device_s"))
+    assert {(b["mode"], b["requests"], b["tokens"]) for b in ours["bucket_compile_s"]} == {
+        ("extend", 2, 18), ("decode", 2, 2)}
+    assert sum(b["s"] for b in ours["bucket_compile_s"]) == pytest.approx(ours["compile_s"])
+
+    # one bucket holds both prompts here: a single compile, and about equal costs
+    small = bench._small_prefill(CFG, params, small=4, large=16, rounds=1)
+    assert small["token_buckets"][0] == 16 and len(small["bucket_compile_s"]) == 1
+    assert small["large_over_small"] == pytest.approx(small["large_s"] / small["small_s"])
+
+    layers = bench._compile_vs_layers([2])
+    assert layers[0]["kda_layers"] == layers[0]["mla_layers"] == 1
+    assert layers[0]["total_s"] == pytest.approx(layers[0]["prefill"]["s"]
+                                                 + layers[0]["decode"]["s"])
+
+    ours.pop("tokens")
+    bench._print_serve_steps(dict(rows=[dict(batch_size=2, ours=ours)], small_prefill=small,
+                                  compile_vs_layers=layers))
+    out = capsys.readouterr().out
+    assert "host share" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
+    assert "costs 1/" in out and "target 1/25" in out
+    assert "     2 |   1+1   |" in out
+
+
+def test_compile_layers_below_two_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["serve", "--compile-layers", "4", "1"])
+    assert "--compile-layers 4 1: each must be at least 2" in capsys.readouterr().err
