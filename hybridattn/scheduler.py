@@ -169,6 +169,16 @@ class Request:
         """Prompt and generated tokens so far."""
         return self.prompt + self.output
 
+    def token_at(self, i: int) -> int:
+        """``tokens[i]`` without building ``tokens`` (a copy of the whole context: 0.3 ms
+        a decode step at 64k).
+
+        >>> Request(rid=0, prompt=[1, 2], max_new_tokens=4, output=[7]).token_at(2)
+        7
+        """
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
     @property
     def finished(self) -> bool:
         """Whether the request has ended (stop token, length or abort)."""
@@ -477,7 +487,7 @@ class Scheduler:
         if not self.running:
             return None
         decoding = [r for r in self.running if not r.prefilling]
-        work = [(r, [r.tokens[r.computed]]) for r in decoding]
+        work = [(r, [r.token_at(r.computed)]) for r in decoding]
         prefilling = [r for r in self.running if r.prefilling]
         if not prefilling:
             B = bucket(len(work), self.request_buckets, "requests in a step")
