@@ -161,13 +161,64 @@ def test_continuous_batching_equals_serving_alone():
             outs.setdefault(rid_of[rid], []).append(tok)
     assert waited  # the pool was too small for everything at once
 
-    alone = engine()
+    alone = engine(decode_steps=1)  # the oracle steps once per round; eng runs up to 8
     for i in range(n):
         rid = alone.add_request(prompts[i], int(news[i]), **sampling[i])
         got = []
         while alone.has_unfinished():
             got += [tok for r, tok, _ in alone.step() if r == rid]
         assert outs[i] == got, f"request {i}"
+    assert_whole(eng)
+
+
+def _serve_each(eng, requests):
+    """Queue ``requests`` (``(prompt, max_new_tokens, kwargs)``) at once and step ``eng``
+    until they end: each request's tokens, and the token slots free after every round."""
+    rids = [eng.add_request(p, n, **kw) for p, n, kw in requests]
+    outs, free = {r: [] for r in rids}, []
+    while eng.has_unfinished():
+        for r, tok, _ in eng.step():
+            outs[r].append(tok)
+        free.append(eng.num_free_slots + eng.num_cached_slots)
+    return [outs[r] for r in rids], free
+
+
+def test_multi_step_decode_with_finishes_inside_the_run_equals_single_steps():
+    """decode_steps=8: request 0 samples its stop token, request 2 (sampled) reaches
+    max_new_tokens inside a run, request 1 runs on; tokens, free slots and the prefix cache
+    end as with one step per round."""
+    prompts = prompts_of([12, 5, 30], seed=21)
+    free_run = engine(decode_steps=1).generate(prompts[:1], 14)[0]
+    stop = free_run[4]  # inside the first 8-step run (token 0 comes from the prefill)
+    requests = [(prompts[0], 14, dict(stop_token_ids=[stop, 255])),
+                (prompts[1], 14, {}),
+                (prompts[2], 6, dict(temperature=0.8, seed=5))]
+    single, multi = engine(decode_steps=1), engine(decode_steps=8)
+    want, free_single = _serve_each(single, requests)
+    got, free_multi = _serve_each(multi, requests)
+    assert got == want
+    assert want[0] == free_run[: free_run.index(stop) + 1] and len(want[2]) == 6
+    assert len(want[1]) == 14
+    # one prefill round, then 8 steps per dispatch: fewer rounds, the same end
+    assert len(free_multi) < len(free_single) and free_multi[-1] == free_single[-1]
+    assert multi.num_cached_slots == single.num_cached_slots
+    assert multi.stats.steps == single.stats.steps  # (decode_tokens leave compiling rounds out)
+    assert multi.stats.decode_rounds < single.stats.decode_rounds
+    assert any(len(k) == 6 and k[-1] == 8 for k in multi.stats.buckets)  # the 8-step bucket
+    assert_whole(multi)
+
+
+def test_abort_inside_a_stream_drops_the_tokens_of_a_multi_step_run():
+    eng = engine(decode_steps=8)
+    prompts = prompts_of([9, 14], seed=22)
+    stream = eng.stream(prompts, 12)
+    got = [[], []]
+    for i, tok in stream:
+        got[i].append(tok)
+        if i == 0 and len(got[0]) == 3:  # mid-run: request 0 has more tokens buffered
+            assert eng.abort(stream.request_ids[0])
+    assert len(got[0]) == 3 and len(got[1]) == 12
+    assert got[1] == engine(decode_steps=1).generate(prompts[1:], 12)[0]
     assert_whole(eng)
 
 
