@@ -25,7 +25,9 @@ weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.ge
 torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
 and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
 of weights and state a step must read, over this machine's measured bandwidth). Where our
-step's time goes, per prefill and per decode step (medians over the timed steps):
+step's time goes, per prefill and per decode step (medians over the timed rounds, each
+divided by the steps it ran: our engine decodes ``decode_steps`` steps per dispatch, its
+default or ``--decode-steps N``):
 
 - **host**: the Python side of the step's scheduling round outside the wait for its outputs
   (planning, packing the batch, the jitted call until it returns: argument flattening,
@@ -430,7 +432,12 @@ def _capture_steps(engine) -> dict:
             kind = "decode" if batch.forward_mode == ForwardMode.DECODE else "prefill"
             if kind not in captured:
                 captured[kind] = (fn, params, jax.tree.map(lambda x: x.copy(), state),
-                                  jax.device_put(batch))
+                                  jax.device_put(batch), 1)
+        elif fn in engine._jit._decode.values() and "decode" not in captured:
+            # a multi-step decode: (batch, stop ids, limits); it runs max(limits) steps
+            params, state, *rest = args
+            captured["decode"] = (fn, params, jax.tree.map(lambda x: x.copy(), state),
+                                  jax.device_put(tuple(rest)), int(np.max(rest[2])))
         return call(fn, *args, **kwargs)
 
     engine._call = spy
@@ -440,21 +447,25 @@ def _capture_steps(engine) -> dict:
 def _step_alone(captured, rounds: int) -> list[float]:
     """Seconds of ``rounds`` runs of a captured step alone (after one untimed run), each on a
     fresh copy of its state: from the call, its arguments prepared on the device, to its
-    outputs ready. That is the device's work plus the C++ dispatch of one call."""
-    fn, params, state, batch = captured
+    outputs ready. That is the device's work plus the C++ dispatch of one call; a multi-step
+    decode's time is divided by the steps it ran (per step, as the other columns)."""
+    fn, params, state, args, steps = captured
+    args = args if isinstance(args, tuple) else (args,)
     times = []
     for _ in range(rounds + 1):
         fresh = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(params, fresh, batch))
-        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(fn(params, fresh, *args))
+        times.append((time.perf_counter() - t0) / steps)
     return times[1:]
 
 
 def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
-    """Serve ``prompts`` one ``Engine.step`` at a time: the tokens, and for each step that
-    did not compile its seconds (``step_s``: packing to outputs), the Python side of its
-    round (``host_s``) and its wait for the outputs (``wait_s``), from ``EngineStats``."""
+    """Serve ``prompts`` one ``Engine.step`` at a time: the tokens, and for each round that
+    did not compile, per step it ran (a multi-step decode round runs several: its times are
+    divided by them; ``n`` says how many), its seconds (``step_s``: packing to outputs), the
+    Python side of its round (``host_s``) and its wait for the outputs (``wait_s``), from
+    ``EngineStats``."""
     rids = [engine.add_request(p, new_tokens) for p in prompts]
     out: dict[int, list[int]] = {r: [] for r in rids}
     steps: dict[str, list[dict]] = {k: [] for k in STEP_KINDS}
@@ -464,13 +475,14 @@ def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
         return {k: [getattr(engine.stats, f"{k}_{f}") for f in fields] for k in STEP_KINDS}
 
     while engine.has_unfinished():
-        before = sums()
+        before, ran = sums(), engine.stats.steps
         for rid, tok, _ in engine.step():
             out[rid].append(tok)
+        n = max(engine.stats.steps - ran, 1)
         for k, after in sums().items():
             d = [a - b for a, b in zip(after, before[k], strict=True)]
             if d[0] > 0:
-                steps[k].append(dict(step_s=d[0], host_s=d[1], wait_s=d[2]))
+                steps[k].append(dict(step_s=d[0] / n, host_s=d[1] / n, wait_s=d[2] / n, n=n))
     return [out[r] for r in rids], steps
 
 
@@ -480,20 +492,23 @@ def _bucket_rows(bucket_seconds: dict) -> list[dict]:
 
     rows = []
     for key, sec in bucket_seconds.items():
-        mode, B, T, W, Q, *snaps = key
+        mode, B, T, W, Q, *extra = key
         row = dict(mode=ForwardMode(mode).name.lower(), requests=B, tokens=T, kv_width=W,
                    max_extend_len=Q, s=sec)
-        if snaps:
-            row["snapshots"] = snaps[0]
+        if extra and mode == ForwardMode.DECODE:  # a multi-step decode
+            row["decode_steps"] = extra[0]
+        elif extra:
+            row["snapshots"] = extra[0]
         rows.append(row)
     return rows
 
 
 def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: int,
-                device_rounds: int = 20) -> dict:
+                device_rounds: int = 20, decode_steps: int | None = None) -> dict:
     """Our engine on ``prompts [B, P]``: all prompts in one prefill step, then
-    ``new_tokens - 1`` decode steps; best of ``repeats`` runs after a compiling run, and
-    per step (medians over the repeats' steps) the engine's host and wait seconds, and the
+    ``new_tokens - 1`` decode steps (``decode_steps`` per dispatch; None: the engine's
+    default); best of ``repeats`` runs after a compiling run, and per step (medians over the
+    repeats' rounds, each divided by its steps) the engine's host and wait seconds, and the
     step alone on its captured inputs (``device_rounds`` runs, ``_step_alone``)."""
     from hybridattn.engine import Engine
 
@@ -504,7 +519,8 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
     engine = Engine(config, params, max_running_requests=B, max_context_len=ctx,
                     num_token_slots=B * ctx + 1, chunked_prefill_size=B * P,
                     request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,),
-                    prefix_cache=False)
+                    prefix_cache=False,
+                    **({} if decode_steps is None else dict(decode_steps=decode_steps)))
     captured = _capture_steps(engine)
     t0 = time.perf_counter()
     tokens = engine.generate(prompts.tolist(), new_tokens)  # compiles
@@ -530,12 +546,13 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
             continue
         alone = _step_alone(captured[k], device_rounds if k == "decode"
                             else max(3, device_rounds // 4))
-        per_step[k] = dict(steps=len(samples[k]),
+        per_step[k] = dict(steps=sum(x["n"] for x in samples[k]), rounds=len(samples[k]),
                            **{f: _median([x[f] for x in samples[k]])
                               for f in ("step_s", "host_s", "wait_s")},
                            device_s=_median(alone), device_runs=len(alone))
     captured.clear()  # the state copies
     out = dict(engine="ours", batch_size=B, prompt_len=P, new_tokens=new_tokens,
+               decode_steps=engine.decode_steps,
                prefill_s=best_prefill, prefill_tok_s=B * P / best_prefill,
                decode_step_s=best_step if new_tokens > 1 else None,
                decode_tok_s=B / best_step if new_tokens > 1 else None,
@@ -626,8 +643,9 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                 repeats: int = 2, transformers: bool = True, config=None,
                 progress: bool = False, compile_layers=COMPILE_LAYERS,
                 small_prefill: tuple[int, int] | None = (24, 1024),
-                device_rounds: int = 20) -> dict:
-    """Run the serve benchmark (see the module docstring). ``compile_layers``: the layer
+                device_rounds: int = 20, decode_steps: int | None = None) -> dict:
+    """Run the serve benchmark (see the module docstring). ``decode_steps``: our engine's
+    decode steps per dispatch (None: its default). ``compile_layers``: the layer
     counts of the compile-time rows (empty: none); ``small_prefill``: the (small, large)
     prompt lengths whose prefill steps are compared (None: not measured);
     ``device_rounds``: runs of the decode step alone (a quarter of them, at least 3, for
@@ -649,7 +667,8 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                           enabled=progress, leave=False):
         prompts = np.random.default_rng(B).integers(1, config.vocab_size, (B, prompt_len))
         row: dict = dict(batch_size=B)
-        row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats, device_rounds)
+        row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats, device_rounds,
+                                  decode_steps)
         row["mlx_lm"] = A.mlx_lm_serve(config, params, prompts=prompts.tolist(),
                                        new_tokens=new_tokens, repeats=repeats, model=mlx_model)
         if tf_model is not None:
@@ -1364,7 +1383,9 @@ def _print_serve_steps(res: dict) -> None:
         for row in rows:
             print(f"{row['batch_size']:>3} | " + ", ".join(
                 f"{b['mode']} {b['requests']}x{b['tokens']}x{b['kv_width']}x"
-                f"{b['max_extend_len']} {b['s']:.1f}" for b in row["ours"]["bucket_compile_s"]))
+                f"{b['max_extend_len']}"
+                + (f" ({b['decode_steps']} steps)" if b.get("decode_steps") else "")
+                + f" {b['s']:.1f}" for b in row["ours"]["bucket_compile_s"]))
     sp = res.get("small_prefill")
     if sp:
         print()
@@ -1422,6 +1443,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     sv.add_argument("--prompt-len", type=int, default=64)
     sv.add_argument("--new-tokens", type=int, default=16)
+    sv.add_argument("--decode-steps", type=int, default=None, metavar="N",
+                    help="our engine's decode steps per dispatch (default: the engine's)")
     sv.add_argument("--mesh", default=None, metavar="DxT",
                     help="run the sharded step on a data x tensor mesh of CPU devices instead")
     sv.add_argument("--no-transformers", action="store_true",
@@ -1499,7 +1522,8 @@ def main(argv: list[str] | None = None) -> int:
                                  repeats=1 if args.quick else 2,
                                  transformers=not args.no_transformers, progress=True,
                                  compile_layers=tuple(layers),
-                                 device_rounds=10 if args.quick else 30),
+                                 device_rounds=10 if args.quick else 30,
+                                 decode_steps=args.decode_steps),
                      args.json, table, args.what, args.plot)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices

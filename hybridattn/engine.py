@@ -13,7 +13,10 @@ The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (sta
    ``chunked_prefill_size`` tokens (chunked prefill: a long prompt spans several steps);
    otherwise a ``DECODE`` batch of every running request.
 3. **Pad** the batch to shape buckets (requests, tokens, attention width, longest extend), so
-   the step compiles once per bucket tuple, and run it.
+   the step compiles once per bucket tuple, and run it. A ``DECODE`` batch that nothing
+   could join before it ends runs ``decode_steps`` steps in one dispatch
+   (``hybridattn.serving.decode_steps``): a request that finishes inside the run turns into
+   padding there, and the host commits the tokens step by step afterwards.
 4. **Finish** requests on a stop token or ``max_new_tokens``: their token slots, row and state
    slot are released (``hybridattn.serving.release``) and waiting requests move up.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -46,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridattn.backend import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
 from hybridattn.pools import alloc_reqs, free
@@ -63,7 +68,14 @@ from hybridattn.scheduler import (
     kv_ladder,
     ladder,
 )
-from hybridattn.serving import ServingState, borrow_prefix, make_worker_batch, release, step
+from hybridattn.serving import (
+    ServingState,
+    borrow_prefix,
+    decode_steps,
+    make_worker_batch,
+    release,
+    step,
+)
 from servecore import memory as _memory
 from servecore.progress import progress_bar
 from servecore.prompts import Prompt, check_text, decode, encode_prompt
@@ -88,6 +100,17 @@ def _step_tokens(params, state: ServingState, batch):
     them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
     new, out = step(params, state, batch)
     return new, out._replace(logits=None)
+
+
+def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, *,
+                   num_steps: int):
+    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count)."""
+    return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens)
+
+
+STOP_BUCKETS = (4, 16, 64)
+"""Widths of the per-row stop-token arrays of a multi-step decode (a request with more stop
+ids than the last decodes one step per dispatch)."""
 
 
 def _alloc_row(pool):
@@ -133,6 +156,14 @@ class _Compiled:
         self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
         self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
         self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
+        self._decode: dict[int, Any] = {}
+
+    def decode(self, num_steps: int):
+        """The jitted ``num_steps``-step decode (state donated), one function per count."""
+        if num_steps not in self._decode:
+            self._decode[num_steps] = jax.jit(
+                functools.partial(_decode_tokens, num_steps=num_steps), donate_argnums=1)
+        return self._decode[num_steps]
 
     def call(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, counting a signature this engine has not used before."""
@@ -382,7 +413,8 @@ class EngineStats(ServingStats):
     ``mlxcache.EngineStats``. Steps that compiled are left out of the throughput figures.
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
-    Here: ``steps``; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
+    Here: ``steps`` (device steps: a multi-step decode dispatch counts each step it ran);
+    ``decode_rounds``: the pure-decode dispatches (rounds) among them; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
     cache stored / evicted; ``num_compilations``: compilations this engine needed (its own
     count: the step, one per new shape bucket, plus row allocation and release; JAX may load
     one from its cache when another engine of the same geometry compiled it); ``buckets``: the
@@ -407,6 +439,7 @@ class EngineStats(ServingStats):
     """
 
     steps: int = 0
+    decode_rounds: int = 0
     snapshots_taken: int = 0
     state_evictions: int = 0
     num_compilations: int = 0
@@ -494,6 +527,18 @@ class Engine:
             chat template), ``generate(..., text=True)`` returns text, and its EOS ids with
             ``config.eos_token_id`` (an int or a list) end requests unless
             ``stop_token_ids`` is given.
+        decode_steps: decode steps per dispatch when a round would be a pure ``DECODE``
+            step that nothing can join before it ends: no request waits, or none running can
+            reach its ``max_new_tokens`` inside the run (so only a stop token could free a
+            row for a waiting one). The steps run in one ``lax.while_loop`` on the device
+            (``hybridattn.serving.decode_steps``), each request at most up to its
+            ``max_new_tokens`` and the batch's attention-width bucket; a request that samples
+            a stop token inside the run becomes padding from the next step on (no token slot,
+            no state written), so the pools, the tokens and the stats are those of stepping
+            one at a time. It saves the host's planning, packing, dispatch and read-back of
+            every step but the first; a request finishing early in the run holds its row
+            until the run ends. 1: one step per round. Default 8. Under a ``mesh`` the engine
+            decodes one step per round (``ShardedStep`` wraps the single step only).
         mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
             own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
@@ -595,6 +640,7 @@ class Engine:
         snapshot_interval: int | None = None,
         num_snapshot_slots: int | None = None,
         tokenizer: Any = None,
+        decode_steps: int = 8,
         mesh: Any = None,  # a jax.sharding.Mesh; checked by _check_mesh (ValueError)
     ):
         if not isinstance(config, KimiLinearConfig):
@@ -616,6 +662,7 @@ class Engine:
         check_int("chunked_prefill_size", chunked_prefill_size, 1)
         check_int("chunk_size", chunk_size, 1)
         check_int("seed", seed, 0)
+        self.decode_steps = check_int("decode_steps", decode_steps, 1)
         if snapshot_interval is None:
             snapshot_interval = max(1, round(256 / chunk_size)) * chunk_size
         if check_int("snapshot_interval", snapshot_interval, 1) % chunk_size:
@@ -894,14 +941,24 @@ class Engine:
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` (waiting or running; its slots are released at once). Safe at
-        any point; a stream owning it ends that request. Returns whether it was still
-        unfinished."""
+        any point; a stream owning it ends that request, and tokens of it generated but not
+        received yet (a round commits several per request with ``decode_steps``) are dropped,
+        from the stream and from what ``step`` returns. Returns whether it was still
+        unfinished, or had tokens not received yet."""
         with self._transaction():
-            req = self.scheduler.abort(rid)
-            if req is None:
-                return False
-            self._flush_ops()
             sink = self._sinks.get(rid)
+            dropped = False
+            for buf in (sink, self._outbox):
+                if buf is not None and any(e[0] == rid for e in buf):
+                    kept = [e for e in buf if e[0] != rid]
+                    buf.clear()
+                    buf.extend(kept)
+                    dropped = True
+            req = self.scheduler.abort(rid)
+            if req is None and not dropped:
+                return False
+            if req is not None:
+                self._flush_ops()
             if sink is not None:
                 sink.append((rid, None, True))
             return True
@@ -1017,25 +1074,104 @@ class Engine:
         # one work list per data shard, one step for all of them
         return self._sharded, self._sharded.make_batch(plan.items(), **shape)
 
+    def _multi_step_limits(self, plan: StepPlan | ShardedPlan) -> list[int] | None:
+        """The steps each request of ``plan`` may run in one multi-step decode dispatch
+        (None: this round runs one step). Only a pure ``DECODE`` plan on one device, and only
+        when nothing could join before the run ends: no request waits, or none running can
+        reach its ``max_new_tokens`` before the run's last step (the head of the queue waits
+        for a row or token slots that only a finish frees). Each request runs at most its
+        tokens left and what the plan's attention-width bucket has room for."""
+        N = self.decode_steps
+        if N == 1 or self._sharded is not None or plan.mode != ForwardMode.DECODE:
+            return None
+        left = [r.max_new_tokens - len(r.output) for r, _ in plan.work]
+        if self.scheduler.waiting and min(left) < N:
+            return None
+        if max(len(r.stop_token_ids) for r, _ in plan.work) > STOP_BUCKETS[-1]:
+            return None
+        W = plan.buckets[2]
+        limits = [min(N, k, W - r.computed) for (r, _), k in zip(plan.work, left, strict=True)]
+        return limits if max(limits) > 1 else None
+
+    def _packed_decode(self, plan: StepPlan, limits: Sequence[int]) -> tuple[Any, tuple]:
+        """The jitted multi-step decode and its arguments after the state: the DECODE batch,
+        each row's stop ids ``[B, S]`` (padded with -1, ``S`` from ``STOP_BUCKETS``) and its
+        step limit ``[B]`` (0 for padding rows)."""
+        B, T, W, Q = plan.buckets
+        batch = make_worker_batch(plan.items(), vocab_size=self.config.vocab_size,
+                                  max_context_len=self.max_context_len,
+                                  forward_mode=ForwardMode.DECODE, num_requests=B,
+                                  num_tokens=T, kv_width=W, max_extend_len=Q)
+        S = bucket(max(1, *(len(r.stop_token_ids) for r, _ in plan.work)), STOP_BUCKETS,
+                   "stop token ids of a request")
+        stops = np.full((B, S), -1, np.int32)
+        lim = np.zeros(B, np.int32)
+        for i, (r, _) in enumerate(plan.work):
+            stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
+            lim[i] = limits[i]
+        return self._jit.decode(self.decode_steps), (batch, jnp.asarray(stops),
+                                                     jnp.asarray(lim))
+
+    def _decode_run_steps(self, plan: StepPlan, tokens: np.ndarray,
+                          limits: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+        """A multi-step decode's ``tokens [N, B]`` as the single steps it ran: per step the
+        indices in ``plan.work`` of the requests that ran it and their tokens, in order. Checked against the host's
+        own finishing rule (each request runs until a stop token or its limit) before anything
+        is committed; a disagreement raises ``RuntimeError`` and changes nothing."""
+        runs = []
+        for j, ((r, _), limit) in enumerate(zip(plan.work, limits, strict=True)):
+            col = tokens[:, j].tolist()
+            n = next((i for i, t in enumerate(col) if t < 0), len(col))
+            ran = col[:n]
+            stopped = [i for i, t in enumerate(ran) if t in r.stop_token_ids]
+            if (any(t >= 0 for t in col[n:]) or (stopped and stopped[0] != n - 1)
+                    or not (n == limit or stopped)):
+                raise RuntimeError(f"a multi-step decode ran request {r.rid} for {n} steps "
+                                   f"({ran}); the host expected a stop token in "
+                                   f"{sorted(r.stop_token_ids)} or {limit} steps")
+            runs.append(ran)
+        steps = []
+        for i in range(max(map(len, runs))):
+            idx = [j for j, ran in enumerate(runs) if i < len(ran)]
+            steps.append((idx, [runs[j][i] for j in idx]))
+        return steps
+
     def _run(self, plan: StepPlan | ShardedPlan, t_plan: float) -> None:
-        """Run ``plan`` (planned from ``t_plan`` on) and commit its tokens."""
+        """Run ``plan`` (planned from ``t_plan`` on) and commit its tokens: one step, or a
+        multi-step decode (``decode_steps``) whose tokens are committed step by step."""
+        limits = self._multi_step_limits(plan)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
-            plan.num_snapshots,))
+            plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self._compilations()
         t0 = time.perf_counter()
-        fn, batch = self._packed(plan)
-        self.state, out = self._call(fn, self.params, self.state, batch)
-        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
-        tokens = np.asarray(out.next_token_ids).tolist()  # [B], or [D][B] under a mesh
-        if not np.all(out.ok):  # unreachable (the reservation); only the sinks were written
+        if limits is None:
+            fn, batch = self._packed(plan)
+            self.state, out = self._call(fn, self.params, self.state, batch)
+            t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
+            tokens = np.asarray(out.next_token_ids).tolist()  # [B], or [D][B] under a mesh
+            ok = out.ok
+        else:
+            fn, args = self._packed_decode(plan, limits)
+            self.state, out, ok = self._call(fn, self.params, self.state, *args)
+            t_call = time.perf_counter()
+            tokens = np.asarray(out)  # [N, B]
+        if not np.all(ok):  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
         now = time.perf_counter()
         # -- commit: plain Python from here on --
+        sched = self.scheduler
+        if limits is None:
+            steps = [(plan, tokens)]
+        else:  # checked before anything is recorded
+            reqs = [r for r, _ in plan.work]
+            steps = self._decode_run_steps(plan, tokens, limits)
         s = self.stats
         s.buckets.add(key)
-        s.steps += 1
+        s.steps += len(steps)
         compiled = self._compilations() > traces
         prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
+        if not prefill:
+            s.decode_rounds += 1
         if compiled:  # this call compiled
             s.compiled_buckets.append(key)
             s.bucket_compile_seconds[key] = now - t0
@@ -1044,11 +1180,18 @@ class Engine:
             s.prefill_tokens += plan.prompt_tokens
             s.prefill_seconds += now - t0
         else:
-            s.decode_tokens += plan.num_tokens
+            s.decode_tokens += (plan.num_tokens if limits is None
+                                else sum(len(toks) for _, toks in steps))
             s.decode_seconds += now - t0
         first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
-        sched = self.scheduler
-        events, _ = sched.commit(plan, tokens, self._read_slots)
+        events = []
+        if limits is None:
+            events, _ = sched.commit(plan, tokens, self._read_slots)
+        else:
+            for idx, toks in steps:  # each step as it would have run alone
+                sub = StepPlan(ForwardMode.DECODE, tuple(
+                    (reqs[j], [reqs[j].tokens[reqs[j].computed]]) for j in idx), plan.buckets)
+                events += sched.commit(sub, toks, self._read_slots)[0]
         for r in first:
             s.requests += 1
             s.prompt_tokens += len(r.prompt)

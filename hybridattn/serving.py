@@ -21,8 +21,9 @@ other requests share its batches (up to floating-point rounding: a step's shapes
 kernels, so logits agree to ~1e-6, and a near-tie may break either way). Requests with equal
 seeds and prompts sample alike; give them different seeds for different samples.
 
-The step composes: ``decode_steps`` runs N decode steps in a ``lax.scan``, and users may write
-their own loops around ``step`` the same way.
+The step composes: ``decode_steps`` runs up to N decode steps in a ``lax.while_loop`` (rows
+that sample a stop token or reach their token budget turn into padding inside it), and users
+may write their own loops around ``step`` the same way.
 
 Request rows are allocated by the host (``hybridattn.pools.alloc_reqs_or_raise`` on
 ``state.req_to_token_pool``) and released with ``release``, which frees a request's token
@@ -737,18 +738,45 @@ def step(
     return new, StepOutput(tokens, logits, ok)
 
 
+def _padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWorkerBatch:
+    """``batch`` with the rows where ``keep`` is False turned into padding (row 0, no new
+    token): they allocate no token slot and write only the slot-0 sinks."""
+    zero = jnp.zeros_like(batch.req_pool_indices)
+    return batch.replace(
+        input_ids=jnp.where(keep, batch.input_ids, 0).astype(jnp.int32),
+        req_pool_indices=jnp.where(keep, batch.req_pool_indices, zero),
+        seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
+        extend_seq_lens=jnp.where(keep, batch.extend_seq_lens, 0).astype(jnp.int32),
+    )
+
+
 def decode_steps(
-    params, state: ServingState, batch: ModelWorkerBatch, num_steps: int
+    params,
+    state: ServingState,
+    batch: ModelWorkerBatch,
+    num_steps: int,
+    stop_token_ids: Int[Array, "B S"] | None = None,
+    max_tokens: Int[Array, " B"] | None = None,
 ) -> tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]:
-    """``num_steps`` greedy-or-sampled decode steps in one ``lax.scan``, starting from a
-    DECODE ``batch`` whose ``input_ids`` are each request's next token and whose ``kv_width``
-    has room for ``num_steps`` more tokens. Returns ``(state, tokens [num_steps, B], ok)``;
-    ``tokens[i]`` is what step ``i`` sampled, ``ok`` is False if any step ran out of slots
-    (that step and the later ones changed nothing).
+    """Up to ``num_steps`` greedy-or-sampled decode steps in one ``lax.while_loop``,
+    starting from a DECODE ``batch`` whose ``input_ids`` are each request's next token and
+    whose ``kv_width`` has room for the tokens each request may run. Returns ``(state,
+    tokens [num_steps, B], ok)``: ``tokens[i, b]`` is what row ``b`` sampled at step ``i``,
+    or -1 where the row ran no step ``i`` (padding, a finished row, a failed step); ``ok``
+    is False if a step ran out of slots (that step and the later ones changed nothing).
+
+    A request finishes inside the run when it samples one of its ``stop_token_ids[b]``
+    (padded with -1; default: none) or has run ``max_tokens[b]`` steps (default:
+    ``num_steps``; 0: it runs none). From the next step on its row is padding: no token slot,
+    no ``req_to_token`` entry, no MLA latent or KDA state written, so the pools end as if it
+    had been stepped alone up to its finish. The loop ends early once every row has
+    finished. Sampling keys depend on the request and position only, so the tokens are those
+    of ``step`` called step by step.
 
     Jit it with ``num_steps`` static: ``jax.jit(decode_steps, static_argnums=3,
-    donate_argnums=1)``. Here only its shapes (``jax.eval_shape`` compiles nothing), for
-    rows 1 and 2 with 3 and 2 tokens in the pools:
+    donate_argnums=1)``; it compiles once per batch bucket, ``num_steps`` and stop-set width
+    ``S``. Here only its shapes (``jax.eval_shape`` compiles nothing), for rows 1 and 2 with
+    3 and 2 tokens in the pools; row 2 stops on token 7 or after 4 tokens:
 
     >>> from hybridattn.models import kimi_linear
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
@@ -757,20 +785,51 @@ def decode_steps(
     >>> batch = make_worker_batch([WorkItem(1, 3, [11]), WorkItem(2, 2, [12])],
     ...                           vocab_size=64, max_context_len=16,
     ...                           forward_mode=ForwardMode.DECODE, kv_width=16)
-    >>> _, tokens, ok = jax.eval_shape(lambda p, s, b: decode_steps(p, s, b, 8),
+    >>> stops, limits = jnp.array([[-1], [7]]), jnp.array([8, 4])
+    >>> _, tokens, ok = jax.eval_shape(lambda p, s, b: decode_steps(p, s, b, 8, stops, limits),
     ...                                kimi_linear.param_shapes(cfg), state, batch)
     >>> tokens.shape, tokens.dtype, ok.shape  # [num_steps, B]
     ((8, 2), dtype('int32'), ())
     """
+    check_int("num_steps", num_steps, 1)
+    if batch.forward_mode != ForwardMode.DECODE:
+        raise ValueError(f"decode_steps starts from a DECODE batch, got forward_mode="
+                         f"{batch.forward_mode.name} (run the prompt with step, then "
+                         "next_decode)")
+    B = batch.batch_size
+    if stop_token_ids is None:
+        stop_token_ids = jnp.full((B, 1), -1, jnp.int32)
+    if stop_token_ids.ndim != 2 or stop_token_ids.shape[0] != B:
+        raise ValueError(f"stop_token_ids has shape {stop_token_ids.shape}, expected "
+                         f"[B={B}, S]")
+    limits = (jnp.full((B,), num_steps, jnp.int32) if max_tokens is None
+              else jnp.minimum(max_tokens, num_steps).astype(jnp.int32))
+    if limits.shape != (B,):
+        raise ValueError(f"max_tokens has shape {limits.shape}, expected [B={B}]")
+    alive = (batch.req_pool_indices > 0) & (batch.extend_seq_lens > 0) & (limits > 0)
+    tokens = jnp.full((num_steps, B), -1, jnp.int32)
 
-    def body(carry, _):
-        state, batch, ok = carry
-        new_state, out = step(params, state, batch)
-        ok = ok & out.ok
-        return (new_state, batch.next_decode(out.next_token_ids), ok), out.next_token_ids
+    def cond(carry):
+        i, _, _, alive, _, _, _ = carry
+        return (i < num_steps) & jnp.any(alive)
 
-    (state, _, ok), tokens = jax.lax.scan(body, (state, batch, jnp.bool_(True)), None,
-                                          length=num_steps)
+    def body(carry):
+        i, state, batch, alive, ran, ok, tokens = carry
+        state, out = step(params, state, batch)
+        ok &= out.ok
+        stepped = alive & out.ok  # a failed step ran every row as padding
+        tok = out.next_token_ids
+        tokens = tokens.at[i].set(jnp.where(stepped, tok, -1))
+        ran += stepped
+        hit = jnp.any(tok[:, None] == stop_token_ids, axis=1)
+        alive = stepped & ~hit & (ran < limits)
+        # finished rows run as padding from here on (next_decode keeps padding as padding)
+        batch = _padding_unless(batch.next_decode(tok), alive)
+        return i + 1, state, batch, alive, ran, ok, tokens
+
+    carry = (jnp.int32(0), state, _padding_unless(batch, alive), alive,
+             jnp.zeros(B, jnp.int32), jnp.bool_(True), tokens)
+    _, state, _, _, _, ok, tokens = jax.lax.while_loop(cond, body, carry)
     return state, tokens, ok
 
 

@@ -161,13 +161,64 @@ def test_continuous_batching_equals_serving_alone():
             outs.setdefault(rid_of[rid], []).append(tok)
     assert waited  # the pool was too small for everything at once
 
-    alone = engine()
+    alone = engine(decode_steps=1)  # the oracle steps once per round; eng runs up to 8
     for i in range(n):
         rid = alone.add_request(prompts[i], int(news[i]), **sampling[i])
         got = []
         while alone.has_unfinished():
             got += [tok for r, tok, _ in alone.step() if r == rid]
         assert outs[i] == got, f"request {i}"
+    assert_whole(eng)
+
+
+def _serve_each(eng, requests):
+    """Queue ``requests`` (``(prompt, max_new_tokens, kwargs)``) at once and step ``eng``
+    until they end: each request's tokens, and the token slots free after every round."""
+    rids = [eng.add_request(p, n, **kw) for p, n, kw in requests]
+    outs, free = {r: [] for r in rids}, []
+    while eng.has_unfinished():
+        for r, tok, _ in eng.step():
+            outs[r].append(tok)
+        free.append(eng.num_free_slots + eng.num_cached_slots)
+    return [outs[r] for r in rids], free
+
+
+def test_multi_step_decode_with_finishes_inside_the_run_equals_single_steps():
+    """decode_steps=8: request 0 samples its stop token, request 2 (sampled) reaches
+    max_new_tokens inside a run, request 1 runs on; tokens, free slots and the prefix cache
+    end as with one step per round."""
+    prompts = prompts_of([12, 5, 30], seed=21)
+    free_run = engine(decode_steps=1).generate(prompts[:1], 14)[0]
+    stop = free_run[4]  # inside the first 8-step run (token 0 comes from the prefill)
+    requests = [(prompts[0], 14, dict(stop_token_ids=[stop, 255])),
+                (prompts[1], 14, {}),
+                (prompts[2], 6, dict(temperature=0.8, seed=5))]
+    single, multi = engine(decode_steps=1), engine(decode_steps=8)
+    want, free_single = _serve_each(single, requests)
+    got, free_multi = _serve_each(multi, requests)
+    assert got == want
+    assert want[0] == free_run[: free_run.index(stop) + 1] and len(want[2]) == 6
+    assert len(want[1]) == 14
+    # one prefill round, then 8 steps per dispatch: fewer rounds, the same end
+    assert len(free_multi) < len(free_single) and free_multi[-1] == free_single[-1]
+    assert multi.num_cached_slots == single.num_cached_slots
+    assert multi.stats.steps == single.stats.steps  # (decode_tokens leave compiling rounds out)
+    assert multi.stats.decode_rounds < single.stats.decode_rounds
+    assert any(len(k) == 6 and k[-1] == 8 for k in multi.stats.buckets)  # the 8-step bucket
+    assert_whole(multi)
+
+
+def test_abort_inside_a_stream_drops_the_tokens_of_a_multi_step_run():
+    eng = engine(decode_steps=8)
+    prompts = prompts_of([9, 14], seed=22)
+    stream = eng.stream(prompts, 12)
+    got = [[], []]
+    for i, tok in stream:
+        got[i].append(tok)
+        if i == 0 and len(got[0]) == 3:  # mid-run: request 0 has more tokens buffered
+            assert eng.abort(stream.request_ids[0])
+    assert len(got[0]) == 3 and len(got[1]) == 12
+    assert got[1] == engine(decode_steps=1).generate(prompts[1:], 12)[0]
     assert_whole(eng)
 
 
@@ -271,7 +322,61 @@ def test_decode_steps_in_scan_equal_step_by_step():
         batch = batch.next_decode(o.next_token_ids)
     s2, tokens, ok = jax.jit(S.decode_steps, static_argnums=3)(PARAMS, state, first, n)
     assert bool(ok)
-    np.testing.assert_array_equal(np.asarray(tokens), np.stack(manual))
+    tokens = np.asarray(tokens)
+    np.testing.assert_array_equal(tokens[:, :2], np.stack(manual)[:, :2])
+    assert (tokens[:, 2:] == -1).all()  # the padding rows ran no step
+    for x, y in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            continue
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_decode_steps_rows_finishing_inside_the_run_become_padding():
+    """Row 0 samples its stop token at step 2, row 1 has a budget of 3 tokens: each is
+    stepped, one step at a time, only until its finish, and the pools end the same."""
+    state, rows = state_with_rows(2)
+    a, b = prompts_of([11, 30], seed=9)
+    wb = S.make_worker_batch([S.WorkItem(rows[0], 0, a), S.WorkItem(rows[1], 0, b)],
+                             vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4,
+                             num_tokens=80, kv_width=96, max_extend_len=80)
+    state, out = _step(PARAMS, state, wb)
+    samp = [S.SamplingParams(temperature=0.9, seed=4), S.SamplingParams()]
+    start = [int(t) for t in out.next_token_ids[:2]]
+    n = 6
+    first = S.make_worker_batch(
+        [S.WorkItem(rows[i], [11, 30][i], [start[i]], samp[i]) for i in range(2)],
+        vocab_size=CFG.vocab_size, max_context_len=96, forward_mode=ForwardMode.DECODE,
+        num_requests=4, kv_width=96)
+    run = jax.jit(S.decode_steps, static_argnums=3)  # one compile: the same shapes twice
+    no_stops = jnp.full((4, 2), -1, jnp.int32)
+    free_run = np.asarray(run(PARAMS, state, first, n, no_stops, jnp.full(4, n))[1])
+    stop = int(free_run[2, 0])
+    stops_at = list(free_run[:, 0]).index(stop)  # its first occurrence, at step 2 or before
+    budget = [n, 3]
+    # the reference: one step at a time, each row in the batch until it finishes
+    s1, manual = state, [[], []]
+    lens, nxt, alive = [11, 30], list(start), [True, True]
+    while any(alive):
+        items = [S.WorkItem(rows[i], lens[i], [nxt[i]], samp[i]) for i in range(2) if alive[i]]
+        batch = S.make_worker_batch(items, vocab_size=CFG.vocab_size, max_context_len=96,
+                                    forward_mode=ForwardMode.DECODE, num_requests=4,
+                                    kv_width=96)
+        s1, o = _step(PARAMS, s1, batch)
+        for j, i in enumerate(i for i in range(2) if alive[i]):
+            tok = int(o.next_token_ids[j])
+            manual[i].append(tok)
+            lens[i], nxt[i] = lens[i] + 1, tok
+            alive[i] = not (i == 0 and tok == stop) and len(manual[i]) < budget[i]
+    assert len(manual[0]) == stops_at + 1 and len(manual[1]) == 3
+    stops = no_stops.at[0, 0].set(stop)
+    s2, tokens, ok = run(PARAMS, state, first, n, stops, jnp.array(budget + [n, n], jnp.int32))
+    assert bool(ok)
+    tokens = np.asarray(tokens)
+    for i in range(2):
+        ran = tokens[:, i][tokens[:, i] >= 0].tolist()
+        assert ran == manual[i] and (tokens[len(ran):, i] == -1).all()
+    assert (tokens[:, 2:] == -1).all()
+    assert int(s2.token_allocator.num_used) == int(s1.token_allocator.num_used)
     for x, y in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             continue
