@@ -414,8 +414,8 @@ class EngineStats(ServingStats):
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
     Here: ``steps`` (device steps: a multi-step decode dispatch counts each step it ran);
-    ``decode_rounds``: the pure-decode dispatches (rounds) among them; ``snapshots_taken`` / ``state_evictions``: KDA state snapshots the prefix
-    cache stored / evicted; ``num_compilations``: compilations this engine needed (its own
+    ``decode_rounds``: the pure-decode dispatches (rounds) among them; ``snapshots_taken`` /
+    ``state_evictions``: KDA state snapshots the prefix cache stored / evicted; ``num_compilations``: compilations this engine needed (its own
     count: the step, one per new shape bucket, plus row allocation and release; JAX may load
     one from its cache when another engine of the same geometry compiled it); ``buckets``: the
     ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
@@ -1115,9 +1115,10 @@ class Engine:
     def _decode_run_steps(self, plan: StepPlan, tokens: np.ndarray,
                           limits: Sequence[int]) -> list[tuple[list[int], list[int]]]:
         """A multi-step decode's ``tokens [N, B]`` as the single steps it ran: per step the
-        indices in ``plan.work`` of the requests that ran it and their tokens, in order. Checked against the host's
-        own finishing rule (each request runs until a stop token or its limit) before anything
-        is committed; a disagreement raises ``RuntimeError`` and changes nothing."""
+        indices in ``plan.work`` of the requests that ran it and their tokens, in order.
+        Checked against the host's own finishing rule (each request runs until a stop token
+        or its limit) before anything is committed; a disagreement raises ``RuntimeError``
+        and changes nothing."""
         runs = []
         for j, ((r, _), limit) in enumerate(zip(plan.work, limits, strict=True)):
             col = tokens[:, j].tolist()
