@@ -146,7 +146,7 @@ def test_continuous_batching_equals_serving_alone():
              dict(temperature=0.7, top_p=0.9, seed=13)]
     sampling = [kinds[i % 4] for i in range(n)]
 
-    eng = engine()
+    eng = engine(decode_steps=8)
     order = rng.permutation(n)
     rid_of, outs = {}, {}
     arrived, waited = 0, False
