@@ -10,6 +10,10 @@
 - XLA compilations are cached on disk (``.jax_cache/``, git-ignored), so the xdist workers
   share what one of them compiled (the serving step takes seconds to compile) and a rerun
   compiles nothing. ``HYBRIDATTN_JAX_CACHE=0`` switches it off.
+- XLA's CPU backend compiles at LLVM optimisation level 0 (``XLA_FLAGS``, appended to any
+  the caller set; the processes the tests start inherit it): compiling is most of the
+  suite's time and the tiny models run in milliseconds either way; the tests time nothing
+  (the benchmarks do, with the default level). ``HYBRIDATTN_XLA_OPT=1`` keeps the default.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import jax
-import pytest
-from hypothesis import HealthCheck, settings
+if os.environ.get("HYBRIDATTN_XLA_OPT", "0") != "1":  # before JAX starts its backend
+    _flag = "--xla_backend_optimization_level=0"
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
