@@ -548,9 +548,11 @@ class Engine:
             released 27 layers repeat (KDA, KDA, MLA, KDA) six times) as one ``lax.scan``
             over stacked parameters and pools (``kimi_linear.stack_layers``, done here), so
             each bucket compiles one period of layers instead of all of them. The engine
-            then holds the stacked copy of ``params`` (under a ``mesh``, placed by
-            ``sharding.stacked_param_specs``). No effect on a model whose layers do not
-            repeat.
+            then holds the stacked copy of ``params``. No effect on a model whose layers do
+            not repeat, nor under a ``mesh``: ``ShardedStep(scan_layers=True)`` runs the scan
+            inside ``shard_map``, but the suite's processes that compiled it on 8 CPU devices
+            crashed in XLA (segfaults in compile or executable serialization, four times in
+            three runs), so the mesh engine keeps its layers unrolled.
         mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
             own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
@@ -707,7 +709,7 @@ class Engine:
         self.tokenizer, self._eos = tokenizer, eos
         if not isinstance(scan_layers, bool):
             raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
-        if scan_layers:
+        if scan_layers and mesh is None:  # see the docstring on meshes
             params = kimi_linear.stack_layers(params, config)
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import mlx_greedy as greedy_oracle
-from harness import realistic_params
+from harness import mlx_kimi, realistic_params
 
 from hybridattn import serving as S
 from hybridattn.backend import ForwardMode
@@ -108,15 +108,9 @@ def test_the_scanned_step_equals_the_unrolled_step():
 
 @pytest.fixture(scope="module")
 def mlx_greedy(tmp_path_factory):
-    mx = pytest.importorskip("mlx.core")
-    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
     path = tmp_path_factory.mktemp("kimi6") / "ckpt"
     M.save_pretrained(PARAMS, CFG, path)
-    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model = mlx_kimi(path, CFG)
     return lambda prompt, n: greedy_oracle(model, prompt, n)
 
 

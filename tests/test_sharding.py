@@ -417,16 +417,10 @@ def test_engine_mesh_errors_name_the_value(params):
 def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
     """The independent oracle: mlx-lm's Kimi-Linear reading the same checkpoint, greedy, one
     request at a time with its own caches."""
-    mx = pytest.importorskip("mlx.core")
-    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
-    from harness import mlx_greedy
+    from harness import mlx_greedy, mlx_kimi
 
     kimi_linear.save_pretrained(params, CFG, tmp_path)
-    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model = mlx_kimi(tmp_path, CFG)
     _, eng = engines
     prompts, news = _workload()
     got = [[] for _ in prompts]
