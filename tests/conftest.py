@@ -70,17 +70,3 @@ def pytest_collection_modifyitems(config, items):
         if "mlx" in item.keywords:
             item.add_marker(skip)
 
-
-@pytest.fixture(scope="module")
-def without_compilation_cache():
-    """No persistent compilation cache for a module's tests: XLA:CPU crashed (a segfault in
-    the executable's ``serialize`` on a write, or ``deserialize_executable`` on a read) on the
-    8-device executables of the sharded steps, three times in two runs of the suite."""
-    from jax._src import compilation_cache
-
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # re-read the setting at the next compile
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-    compilation_cache.reset_cache()
