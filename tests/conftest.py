@@ -69,4 +69,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "mlx" in item.keywords:
             item.add_marker(skip)
-

@@ -323,12 +323,12 @@ def test_soak_250_requests_with_sessions_tight_pools_and_both_evictions():
     assert s.state_evictions > 0 and s.token_evictions > 0 and s.hit_rate > 0.1
     # the oracle: the same requests through the engine without the cache, four at a time
     # (continuous batching equals serving each alone: tests/test_serving.py)
-    alone = Engine(CFG, PARAMS, **ENGINE, prefix_cache=False)
-    ids = {alone.add_request(prompt, n, **kinds[kind]): rid
+    cold = Engine(CFG, PARAMS, **ENGINE, prefix_cache=False)
+    ids = {cold.add_request(prompt, n, **kinds[kind]): rid
            for rid, (prompt, n, kind) in jobs.items()}
     want: dict = {}
-    while alone.has_unfinished():
-        for rid, tok, _ in alone.step():
+    while cold.has_unfinished():
+        for rid, tok, _ in cold.step():
             want.setdefault(ids[rid], []).append(tok)
     for rid in jobs:
         assert done[rid] == want[rid], f"request {rid}"
