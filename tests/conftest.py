@@ -14,10 +14,16 @@
   the caller set; the processes the tests start inherit it): compiling is most of the
   suite's time and the tiny models run in milliseconds either way; the tests time nothing
   (the benchmarks do, with the default level). ``HYBRIDATTN_XLA_OPT=1`` keeps the default.
+- After each test module its compiled programs are dropped (``jax.clear_caches()``): XLA:CPU
+  keeps each executable's machine code in memory maps of its own (about 23 a program), and a
+  worker that kept every module's programs passed 56,000 of the 65,530 maps Linux allows a
+  process (``vm.max_map_count``) in a full run; past it, mmap fails inside XLA and the worker
+  segfaults (in compile, or in serializing an executable for the cache).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 
@@ -56,6 +62,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 HAVE_MLX = (
     importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Frees the module's executables (and their memory maps) once its fixtures are gone."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
