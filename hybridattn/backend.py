@@ -40,10 +40,11 @@ from hybridattn.mla import mla_decode, mla_extend, ref_mla_decode, ref_mla_exten
 from hybridattn.ops import kda_chunked, kda_decode, l2norm, short_conv
 from hybridattn.pools import (
     HybridReqToTokenPool,
+    LayerRef,
     MLATokenPool,
     RecurrentStatePool,
     get_linear_recurrent_indices,
-    get_mla_kv,
+    get_mla_kv_flat,
     get_states,
     get_token_slots,
     set_mla_kv,
@@ -343,6 +344,12 @@ def _layer_id(layer) -> int:
     return layer_id
 
 
+def _pool_key(layer):
+    """How the pools find ``layer``: a ``LayerRef`` (a traced index inside a scan over
+    stacked layers) as it is, anything else by its int id."""
+    return layer if isinstance(layer, LayerRef) else _layer_id(layer)
+
+
 # --------------------------------------------------------------------------------------------
 # MLA: full attention over the compressed latent pool
 # --------------------------------------------------------------------------------------------
@@ -479,9 +486,12 @@ class MLAAttnBackend:
                 raise ValueError(f"MLA layer {layer_id}: {name} has shape {got[name].shape}, "
                                  f"expected {shape}")
 
-    def _write(self, layer_id, batch, c_kv, k_pe):
-        pool = set_mla_kv(batch.token_to_kv_pool, layer_id, self._md().out_cache_loc, c_kv, k_pe)
-        return batch.replace(token_to_kv_pool=pool)
+    def _write(self, layer, batch, c_kv, k_pe):
+        pool = set_mla_kv(batch.token_to_kv_pool, _pool_key(layer), self._md().out_cache_loc,
+                          c_kv, k_pe)
+        batch = batch.replace(token_to_kv_pool=pool)
+        ckv_all, kpe_all, offset = get_mla_kv_flat(pool, _pool_key(layer))
+        return batch, ckv_all, kpe_all, offset
 
     @no_type_check
     def forward_extend(
@@ -504,17 +514,17 @@ class MLAAttnBackend:
         md = self._md()
         T = q_nope.shape[0]
         self._check(layer_id, T, q_nope, q_pe, c_kv, k_pe, w_kc, w_vc)
-        batch = self._write(layer_id, batch, c_kv, k_pe)
-        ckv_all, kpe_all = get_mla_kv(batch.token_to_kv_pool, layer_id)
+        batch, ckv_all, kpe_all, offset = self._write(layer, batch, c_kv, k_pe)
         args = (q_nope, q_pe, ckv_all, kpe_all, w_kc, w_vc, md.page_table, md.seq_lens,
                 md.extend_lens, md.query_start_loc[:-1])
         if self.impl == "dense":
-            out = ref_mla_extend(*args, max_extend_len=md.max_extend_len, scale=self.scale)
+            out = ref_mla_extend(*args, max_extend_len=md.max_extend_len, scale=self.scale,
+                                 slot_offset=offset)
         else:
             absorbed = {"auto": None, "absorbed": True, "decompressed": False}[self.extend_form]
             out = mla_extend(*args, max_extend_len=md.max_extend_len, scale=self.scale,
                              block_size=self.block_size, query_block=self.query_block,
-                             absorbed=absorbed)
+                             absorbed=absorbed, slot_offset=offset)
         return out.astype(q_nope.dtype), batch
 
     @no_type_check
@@ -536,13 +546,13 @@ class MLAAttnBackend:
         layer_id = _layer_id(layer)
         md = self._md()
         self._check(layer_id, q_nope.shape[0], q_nope, q_pe, c_kv, k_pe, w_kc, w_vc)
-        batch = self._write(layer_id, batch, c_kv, k_pe)
-        ckv_all, kpe_all = get_mla_kv(batch.token_to_kv_pool, layer_id)
+        batch, ckv_all, kpe_all, offset = self._write(layer, batch, c_kv, k_pe)
         args = (q_nope, q_pe, ckv_all, kpe_all, w_kc, w_vc, md.page_table, md.seq_lens)
         if self.impl == "dense":
-            out = ref_mla_decode(*args, scale=self.scale)
+            out = ref_mla_decode(*args, scale=self.scale, slot_offset=offset)
         else:
-            out = mla_decode(*args, scale=self.scale, block_size=self.decode_block_size)
+            out = mla_decode(*args, scale=self.scale, block_size=self.decode_block_size,
+                             slot_offset=offset)
         return out.astype(q_nope.dtype), batch
 
     def __call__(self, layer, batch: ForwardBatch, **inputs):
@@ -667,7 +677,7 @@ class KDAAttnBackend:
                                  f"{(channels, 1, self.conv_kernel)} or "
                                  f"{(channels, self.conv_kernel)}")
         weight = jnp.concatenate([_conv2d(w) for w, _ in convs.values()], axis=0)
-        return layer_id, weight, jnp.concatenate([q, k, v], axis=-1)
+        return _pool_key(layer), weight, jnp.concatenate([q, k, v], axis=-1)
 
     def _split_heads(self, y, T):
         H, Dk, Dv = self.num_heads, self.head_k_dim, self.head_v_dim

@@ -326,8 +326,9 @@ class MemoryReport:
             full_attn_bytes_per_token=(config.num_hidden_layers * config.num_attention_heads
                                        * (config.q_head_dim + config.v_head_dim)
                                        * jnp.dtype(dtype).itemsize),
-            state_bytes_per_request=sum(_nbytes(x) // x.shape[0] for x in
-                                        jax.tree.leaves(shapes.recurrent_state_pool)),
+            state_bytes_per_request=sum(
+                _nbytes(x) // shapes.recurrent_state_pool.num_slots
+                for x in jax.tree.leaves(shapes.recurrent_state_pool)),
             pool_bytes=sum(_nbytes(x) for x in jax.tree.leaves(shapes)),
             num_snapshot_slots=num_snapshot_slots,
             req_to_token_bytes=sum(_nbytes(x) for x in jax.tree.leaves(
@@ -543,6 +544,13 @@ class Engine:
             function per bucket, so a short-lived engine (or a test) pays a compile for it.
             Under a ``mesh`` the engine decodes one step per round (``ShardedStep`` wraps
             the single step only).
+        scan_layers: run the layers that repeat one pattern (``kimi_linear.layer_plan``: the
+            released 27 layers repeat (KDA, KDA, MLA, KDA) six times) as one ``lax.scan``
+            over stacked parameters and pools (``kimi_linear.stack_layers``, done here), so
+            each bucket compiles one period of layers instead of all of them. The engine
+            then holds the stacked copy of ``params`` (under a ``mesh``, placed by
+            ``sharding.stacked_param_specs``). No effect on a model whose layers do not
+            repeat.
         mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
             own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
@@ -645,6 +653,7 @@ class Engine:
         num_snapshot_slots: int | None = None,
         tokenizer: Any = None,
         decode_steps: int = 1,
+        scan_layers: bool = True,
         mesh: Any = None,  # a jax.sharding.Mesh; checked by _check_mesh (ValueError)
     ):
         if not isinstance(config, KimiLinearConfig):
@@ -696,6 +705,10 @@ class Engine:
             raise ValueError(f"the EOS ids {sorted(eos)} of the tokenizer and config must lie "
                              f"in the model's vocabulary [0, {config.vocab_size})")
         self.tokenizer, self._eos = tokenizer, eos
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+        if scan_layers:
+            params = kimi_linear.stack_layers(params, config)
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size
         geometry = dict(max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,
@@ -825,7 +838,9 @@ class Engine:
                 token_buckets=self.token_buckets, kv_buckets=self.kv_buckets,
                 chunk_size=chunk_size)
             self.params = sharding.shard_params(params, config, mesh)  # a no-op if placed
-            self._sharded = sharding.ShardedStep(config, mesh)  # this engine's own
+            self._sharded = sharding.ShardedStep(  # this engine's own
+                config, mesh, scan_layers=isinstance(self.params["model"]["layers"],
+                                                     kimi_linear.StackedLayers))
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it

@@ -134,12 +134,13 @@ def prefers_absorbed(query_tile: int, *, qk_nope_head_dim: int, qk_rope_head_dim
 # --------------------------------------------------------------------------------------------
 
 
-def _pages(c_kv, k_pe, page_table, seq_lens):
+def _pages(c_kv, k_pe, page_table, seq_lens, slot_offset=0):
     """Each request's latents ``[B, W, r]`` and rope keys ``[B, W, dr]`` (f32), zero past
     ``seq_lens`` so stale or sink slots never reach the output (not even as 0 * inf)."""
     live = (jnp.arange(page_table.shape[1]) < seq_lens[:, None])[..., None]
-    ckv = jnp.where(live, c_kv[page_table].astype(_F32), 0.0)
-    kpe = jnp.where(live, k_pe[page_table].astype(_F32), 0.0)
+    slots = page_table + slot_offset
+    ckv = jnp.where(live, c_kv[slots].astype(_F32), 0.0)
+    kpe = jnp.where(live, k_pe[slots].astype(_F32), 0.0)
     return ckv, kpe
 
 
@@ -165,12 +166,16 @@ def ref_mla_extend(
     *,
     max_extend_len: int,
     scale: float,
+    slot_offset: int | Int[Array, ""] = 0,
 ) -> Float[Array, "T H dv"]:
     """Dense causal MLA over each request's whole page-table row (the oracle of
     :func:`mla_extend`; memory ``O(B Q H W)``). Request ``b``'s ``extend_lens[b]`` queries are
     tokens ``query_start[b]...`` of the packed inputs and positions ``seq_lens[b] -
     extend_lens[b]...``; its keys are slots ``page_table[b, :seq_lens[b]]`` of the pool, which
     already holds the new tokens. K/V are decompressed; padding tokens get zeros.
+    ``slot_offset`` (every function here takes one) is added to each slot read: the pool of
+    every MLA layer flattened to one table, a layer's rows start there
+    (``pools.get_mla_kv_flat``).
 
     >>> out = ref_mla_extend(jnp.ones((2, 1, 2)), jnp.ones((2, 1, 1)), jnp.eye(3, 2, k=-1),
     ...                      jnp.zeros((3, 1)), jnp.ones((1, 2, 2)), jnp.eye(2)[None],
@@ -180,7 +185,7 @@ def ref_mla_extend(
     [[1.0, 0.0], [0.5, 0.5]]
     """
     T = q_nope.shape[0]
-    ckv, kpe = _pages(c_kv, k_pe, page_table, seq_lens)  # [B, W, r], [B, W, dr]
+    ckv, kpe = _pages(c_kv, k_pe, page_table, seq_lens, slot_offset)  # [B, W, r|dr]
     k_nope = jnp.einsum("bwr,hdr->bwhd", ckv, w_kc.astype(_F32))
     v = jnp.einsum("bwr,hdr->bwhd", ckv, w_vc.astype(_F32))
     # Queries of each request in a [B, Q] layout (Q = max_extend_len).
@@ -212,6 +217,7 @@ def ref_mla_decode(
     seq_lens: Int[Array, " B"],
     *,
     scale: float,
+    slot_offset: int | Int[Array, ""] = 0,
 ) -> Float[Array, "B H dv"]:
     """Dense MLA of one query per request (row ``b`` of the inputs) over all its
     ``seq_lens[b]`` keys, in absorbed form (the oracle of :func:`mla_decode`); rows with
@@ -223,7 +229,7 @@ def ref_mla_decode(
     >>> out[:, 0].tolist()  # row 1: a padding row
     [[0.5, 0.5], [0.0, 0.0]]
     """
-    ckv, kpe = _pages(c_kv, k_pe, page_table, seq_lens)  # [B, W, r], [B, W, dr]
+    ckv, kpe = _pages(c_kv, k_pe, page_table, seq_lens, slot_offset)  # [B, W, r|dr]
     q_lat = jnp.einsum("bhd,hdr->bhr", q_nope.astype(_F32), w_kc.astype(_F32))
     scores = jnp.einsum("bhr,bwr->bhw", q_lat, ckv) + jnp.einsum(
         "bhd,bwd->bhw", q_pe.astype(_F32), kpe
@@ -257,7 +263,8 @@ def _work_list(seq_lens, extend_lens, *, query_tile, num_tiles, block):
 @functools.partial(jax.jit, static_argnames=("max_extend_len", "scale", "block_size",
                                              "query_block", "absorbed"))
 def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, extend_lens,
-               query_start, *, max_extend_len, scale, block_size, query_block, absorbed):
+               query_start, *, max_extend_len, scale, block_size, query_block, absorbed,
+               slot_offset=0):
     """Steps 1-4 of the module docstring; returns ``[T, H, dv]`` float32."""
     T, H, _ = q_nope.shape
     B, W = page_table.shape
@@ -303,6 +310,7 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
         first = j * bk
         start = jnp.minimum(first, W - bk)  # the last block may overlap the one before
         slots = jax.lax.dynamic_slice(page_table, (b, start), (1, bk))[0].astype(jnp.int32)
+        slots = slots + slot_offset
         kpos = start + i_k
         live_k = (kpos >= first) & (kpos < seq_lens[b])  # [bk]
         # c_kv is zeroed where masked (it meets p in the output); k_pe only feeds scores,
@@ -369,6 +377,7 @@ def mla_extend(
     block_size: int = 512,
     query_block: int = 512,
     absorbed: bool | None = None,
+    slot_offset: int | Int[Array, ""] = 0,
 ) -> Float[Array, "T H dv"]:
     """Causal MLA of packed ragged requests over their page-table rows, block by block: the
     inputs and result of :func:`ref_mla_extend`, with workspace ``O(T + query_block x
@@ -395,7 +404,8 @@ def mla_extend(
             kv_lora_rank=w_kc.shape[2])
     return _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, extend_lens,
                       query_start, max_extend_len=max_extend_len, scale=scale,
-                      block_size=block_size, query_block=query_block, absorbed=bool(absorbed))
+                      block_size=block_size, query_block=query_block, absorbed=bool(absorbed),
+                      slot_offset=slot_offset)
 
 
 def mla_decode(
@@ -410,6 +420,7 @@ def mla_decode(
     *,
     scale: float,
     block_size: int = 512,
+    slot_offset: int | Int[Array, ""] = 0,
 ) -> Float[Array, "B H dv"]:
     """One query per request over its ``seq_lens[b]`` keys, block by block in absorbed form:
     :func:`ref_mla_decode`'s inputs and result, workspace ``O(B + block_size x H)``. Only a
@@ -427,7 +438,7 @@ def mla_decode(
     return _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens,
                       (seq_lens > 0).astype(jnp.int32), jnp.arange(B, dtype=jnp.int32),
                       max_extend_len=1, scale=scale, block_size=block_size, query_block=1,
-                      absorbed=True)
+                      absorbed=True, slot_offset=slot_offset)
 
 
 def _check_static(**sizes):

@@ -43,6 +43,8 @@ are for the host only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,7 @@ from servecore.errors import PoolExhausted
 
 __all__ = [
     "HybridReqToTokenPool",
+    "LayerRef",
     "MLATokenPool",
     "PoolExhausted",
     "RecurrentStatePool",
@@ -68,6 +71,7 @@ __all__ = [
     "free_reqs",
     "get_linear_recurrent_indices",
     "get_mla_kv",
+    "get_mla_kv_flat",
     "get_states",
     "get_token_slots",
     "set_mla_kv",
@@ -510,12 +514,34 @@ def get_linear_recurrent_indices(
 # --------------------------------------------------------------------------------------------
 
 
-def _layer_index(kind: str, layer_ids: tuple[int, ...], layer_id: int) -> int:
+class LayerRef(NamedTuple):
+    """A layer inside a ``lax.scan`` over stacked layers (``kimi_linear.stack_layers``):
+    ``layer_id``, the static id of the first layer of its scanned group (its kind and shapes),
+    and ``index``, its position (traced) among the pool's layers of that kind. The pool
+    functions and the attention backends take one wherever they take a layer id.
+
+    >>> pool = MLATokenPool.create((3, 7), num_slots=4, kv_lora_rank=2, qk_rope_head_dim=1)
+    >>> pool = set_mla_kv(pool, LayerRef(3, jnp.int32(1)), jnp.array([2]), jnp.ones((1, 2)),
+    ...                   jnp.ones((1, 1)))
+    >>> pool.c_kv[1][:, 0].tolist()  # the second MLA layer (7)
+    [0.0, 0.0, 1.0, 0.0]
+    """
+
+    layer_id: int
+    index: Int[Array, ""]
+
+
+def _layer_index(kind: str, layer_ids: tuple[int, ...], layer) -> int | Int[Array, ""]:
+    if isinstance(layer, LayerRef):
+        if layer.layer_id not in layer_ids:
+            raise ValueError(f"layer_id {layer.layer_id!r} is not {kind} layer of this pool "
+                             f"(layer_ids={layer_ids})")
+        return layer.index
     try:
-        return layer_ids.index(layer_id)
+        return layer_ids.index(layer)
     except ValueError:
         raise ValueError(
-            f"layer_id {layer_id!r} is not {kind} layer of this pool (layer_ids={layer_ids})"
+            f"layer_id {layer!r} is not {kind} layer of this pool (layer_ids={layer_ids})"
         ) from None
 
 
@@ -528,14 +554,12 @@ def _check_layer_ids(layer_ids) -> tuple[int, ...]:
     return layer_ids
 
 
-def _set_at(arrays: tuple, i: int, value) -> tuple:
-    return arrays[:i] + (value,) + arrays[i + 1 :]
-
-
 @pytree_dataclass(static=("layer_ids",))
 class MLATokenPool:
     """The MLA latent KV cache: per MLA layer, ``c_kv [S, r]`` (the compressed KV after its
-    norm) and ``k_pe [S, dr]`` (the RoPE'd shared key) of every token slot. Slot 0 is the sink.
+    norm) and ``k_pe [S, dr]`` (the RoPE'd shared key) of every token slot, stacked over the
+    layers (``c_kv [Lm, S, r]``: one leaf, and a traced layer index inside a scan over
+    layers). Slot 0 is the sink.
 
     ``layer_ids`` (static) are the model layer ids of the MLA layers, in order; ``c_kv[i]``
     belongs to ``layer_ids[i]``.
@@ -548,8 +572,8 @@ class MLATokenPool:
     (8, 48, 384)
     """
 
-    c_kv: tuple[Float[Array, "S r"], ...]
-    k_pe: tuple[Float[Array, "S dr"], ...]
+    c_kv: Float[Array, "Lm S r"]
+    k_pe: Float[Array, "Lm S dr"]
     layer_ids: tuple[int, ...]
 
     @classmethod
@@ -569,38 +593,37 @@ class MLATokenPool:
         _check_int("qk_rope_head_dim", qk_rope_head_dim, 1)
         n = len(layer_ids)
         return cls(
-            c_kv=tuple(jnp.zeros((num_slots, kv_lora_rank), dtype) for _ in range(n)),
-            k_pe=tuple(jnp.zeros((num_slots, qk_rope_head_dim), dtype) for _ in range(n)),
+            c_kv=jnp.zeros((n, num_slots, kv_lora_rank), dtype),
+            k_pe=jnp.zeros((n, num_slots, qk_rope_head_dim), dtype),
             layer_ids=layer_ids,
         )
 
     @property
     def num_slots(self) -> int:
         """Token slots, the sink included."""
-        return self.c_kv[0].shape[0]
+        return self.c_kv.shape[-2]
 
     @property
     def kv_lora_rank(self) -> int:
         """Latent width ``r`` of ``c_kv``."""
-        return self.c_kv[0].shape[1]
+        return self.c_kv.shape[-1]
 
     @property
     def qk_rope_head_dim(self) -> int:
         """Width ``dr`` of the shared rope key ``k_pe``."""
-        return self.k_pe[0].shape[1]
+        return self.k_pe.shape[-1]
 
     @property
     def dtype(self):
         """The cache dtype (of ``c_kv`` and ``k_pe``)."""
-        return self.c_kv[0].dtype
+        return self.c_kv.dtype
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token slot takes over all layers: ``sum (r + dr) * itemsize``."""
-        return sum(
-            c.shape[1] * c.dtype.itemsize + k.shape[1] * k.dtype.itemsize
-            for c, k in zip(self.c_kv, self.k_pe, strict=True)
-        )
+        n = len(self.layer_ids)
+        return n * (self.c_kv.shape[-1] * self.c_kv.dtype.itemsize
+                    + self.k_pe.shape[-1] * self.k_pe.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -610,7 +633,7 @@ class MLATokenPool:
 
 def set_mla_kv(
     pool: MLATokenPool,
-    layer_id: int,
+    layer_id: int | LayerRef,
     slots: Int[Array, " T"],
     c_kv: Float[Array, "T r"],
     k_pe: Float[Array, "T dr"],
@@ -630,13 +653,12 @@ def set_mla_kv(
             f"c_kv {c_kv.shape} / k_pe {k_pe.shape} do not match the pool's "
             f"kv_lora_rank={pool.kv_lora_rank}, qk_rope_head_dim={pool.qk_rope_head_dim}"
         )
-    new_c = pool.c_kv[i].at[slots].set(c_kv.astype(pool.c_kv[i].dtype))
-    new_k = pool.k_pe[i].at[slots].set(k_pe.astype(pool.k_pe[i].dtype))
-    return pool.replace(c_kv=_set_at(pool.c_kv, i, new_c), k_pe=_set_at(pool.k_pe, i, new_k))
+    return pool.replace(c_kv=pool.c_kv.at[i, slots].set(c_kv.astype(pool.c_kv.dtype)),
+                        k_pe=pool.k_pe.at[i, slots].set(k_pe.astype(pool.k_pe.dtype)))
 
 
 def get_mla_kv(
-    pool: MLATokenPool, layer_id: int
+    pool: MLATokenPool, layer_id: int | LayerRef
 ) -> tuple[Float[Array, "S r"], Float[Array, "S dr"]]:
     """The whole cache of layer ``layer_id``: ``(c_kv [S, r], k_pe [S, dr])``.
 
@@ -651,10 +673,30 @@ def get_mla_kv(
     return pool.c_kv[i], pool.k_pe[i]
 
 
+def get_mla_kv_flat(
+    pool: MLATokenPool, layer_id: int | LayerRef
+) -> tuple[Float[Array, "LmS r"], Float[Array, "LmS dr"], Int[Array, ""] | int]:
+    """Every layer's cache as one table, ``(c_kv [Lm * S, r], k_pe [Lm * S, dr], offset)``:
+    layer ``layer_id``'s slot ``s`` is row ``offset + s``. A gather at ``page_table +
+    offset`` reads that layer's tokens without slicing the layer out first (a copy of its
+    whole cache, when the layer index is traced).
+
+    >>> pool = MLATokenPool.create((3, 7), num_slots=8, kv_lora_rank=4, qk_rope_head_dim=2)
+    >>> c_kv, k_pe, offset = get_mla_kv_flat(pool, 7)
+    >>> c_kv.shape, k_pe.shape, offset
+    ((16, 4), (16, 2), 8)
+    """
+    i = _layer_index("an MLA", pool.layer_ids, layer_id)
+    S = pool.num_slots
+    return (pool.c_kv.reshape(-1, pool.kv_lora_rank), pool.k_pe.reshape(-1, pool.qk_rope_head_dim),
+            i * S)
+
+
 @pytree_dataclass(static=("layer_ids",))
 class RecurrentStatePool:
     """Per KDA layer, the short-conv state ``conv [S, K-1, C]`` (model dtype) and the delta-rule
-    state ``ssm [S, H, Dk, Dv]`` (float32) of every state slot. Slot 0 is the sink.
+    state ``ssm [S, H, Dk, Dv]`` (float32) of every state slot, stacked over the layers
+    (``ssm [Lk, S, H, Dk, Dv]``). Slot 0 is the sink.
 
     ``layer_ids`` (static) are the model layer ids of the KDA layers, in order.
 
@@ -666,8 +708,8 @@ class RecurrentStatePool:
     400
     """
 
-    conv: tuple[Float[Array, "S Km1 C"], ...]
-    ssm: tuple[Float[Array, "S H Dk Dv"], ...]
+    conv: Float[Array, "Lk S Km1 C"]
+    ssm: Float[Array, "Lk S H Dk Dv"]
     layer_ids: tuple[int, ...]
 
     @classmethod
@@ -691,28 +733,26 @@ class RecurrentStatePool:
         _check_int("head_k_dim", head_k_dim, 1)
         _check_int("head_v_dim", head_v_dim, 1)
         n = len(layer_ids)
-        conv_shape = (num_slots, conv_kernel - 1, conv_dim)
-        ssm_shape = (num_slots, num_heads, head_k_dim, head_v_dim)
         return cls(
-            conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(n)),
-            ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n)),
+            conv=jnp.zeros((n, num_slots, conv_kernel - 1, conv_dim), dtype),
+            ssm=jnp.zeros((n, num_slots, num_heads, head_k_dim, head_v_dim), jnp.float32),
             layer_ids=layer_ids,
         )
 
     @property
     def num_slots(self) -> int:
         """State slots, the sink included."""
-        return self.ssm[0].shape[0]
+        return self.ssm.shape[-4]
 
     @property
     def dtype(self):
         """The conv-state dtype (the SSM state is always float32)."""
-        return self.conv[0].dtype
+        return self.conv.dtype
 
     @property
     def bytes_per_request(self) -> int:
         """Bytes of one state slot over all layers (conv + ssm)."""
-        return sum(x.nbytes // x.shape[0] for x in jax.tree.leaves(self))
+        return sum(x.nbytes // self.num_slots for x in jax.tree.leaves(self))
 
     @property
     def nbytes(self) -> int:
@@ -721,7 +761,7 @@ class RecurrentStatePool:
 
 
 def get_states(
-    pool: RecurrentStatePool, layer_id: int, idx: Int[Array, " B"]
+    pool: RecurrentStatePool, layer_id: int | LayerRef, idx: Int[Array, " B"]
 ) -> tuple[Float[Array, "B Km1 C"], Float[Array, "B H Dk Dv"]]:
     """The states of layer ``layer_id`` at slots ``idx``: ``(conv [B, K-1, C], ssm [B, H, Dk,
     Dv])``.
@@ -733,12 +773,12 @@ def get_states(
     ((3, 3, 6), (3, 2, 4, 4))
     """
     i = _layer_index("a KDA", pool.layer_ids, layer_id)
-    return pool.conv[i][idx], pool.ssm[i][idx]
+    return pool.conv[i, idx], pool.ssm[i, idx]
 
 
 def set_states(
     pool: RecurrentStatePool,
-    layer_id: int,
+    layer_id: int | LayerRef,
     idx: Int[Array, " B"],
     conv: Float[Array, "B Km1 C"],
     ssm: Float[Array, "B H Dk Dv"],
@@ -754,14 +794,13 @@ def set_states(
     [1.0, 0.0, 1.0, 0.0]
     """
     i = _layer_index("a KDA", pool.layer_ids, layer_id)
-    if conv.shape[1:] != pool.conv[i].shape[1:] or ssm.shape[1:] != pool.ssm[i].shape[1:]:
+    if conv.shape[1:] != pool.conv.shape[2:] or ssm.shape[1:] != pool.ssm.shape[2:]:
         raise ValueError(
             f"conv {conv.shape} / ssm {ssm.shape} do not match the pool's per-slot shapes "
-            f"{pool.conv[i].shape[1:]} / {pool.ssm[i].shape[1:]}"
+            f"{pool.conv.shape[2:]} / {pool.ssm.shape[2:]}"
         )
-    new_conv = pool.conv[i].at[idx].set(conv.astype(pool.conv[i].dtype))
-    new_ssm = pool.ssm[i].at[idx].set(ssm.astype(jnp.float32))
-    return pool.replace(conv=_set_at(pool.conv, i, new_conv), ssm=_set_at(pool.ssm, i, new_ssm))
+    return pool.replace(conv=pool.conv.at[i, idx].set(conv.astype(pool.conv.dtype)),
+                        ssm=pool.ssm.at[i, idx].set(ssm.astype(jnp.float32)))
 
 
 def copy_states(
@@ -778,10 +817,8 @@ def copy_states(
     >>> pool.ssm[0][:, 0, 0, 0].tolist(), pool.conv[0][:, 0, 0].tolist()
     ([0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0])
     """
-    return pool.replace(
-        conv=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.conv),
-        ssm=tuple(x.at[dst_idx].set(x[src_idx]) for x in pool.ssm),
-    )
+    return pool.replace(conv=pool.conv.at[:, dst_idx].set(pool.conv[:, src_idx]),
+                        ssm=pool.ssm.at[:, dst_idx].set(pool.ssm[:, src_idx]))
 
 
 def copy_states_to(
@@ -806,12 +843,9 @@ def copy_states_to(
     [0.0, 0.0, 0.0, 0.0, 1.0]
     """
     if src.layer_ids != dst.layer_ids or any(
-            a.shape[1:] != b.shape[1:] for a, b in zip(jax.tree.leaves(src),
-                                                        jax.tree.leaves(dst), strict=True)):
+            a.shape[:1] + a.shape[2:] != b.shape[:1] + b.shape[2:]
+            for a, b in zip(jax.tree.leaves(src), jax.tree.leaves(dst), strict=True)):
         raise ValueError(f"copy_states_to needs pools of the same layers and per-slot shapes, "
                          f"got layers {src.layer_ids} and {dst.layer_ids}")
-    return dst.replace(
-        conv=tuple(d.at[dst_idx].set(s[src_idx].astype(d.dtype))
-                   for s, d in zip(src.conv, dst.conv, strict=True)),
-        ssm=tuple(d.at[dst_idx].set(s[src_idx]) for s, d in zip(src.ssm, dst.ssm, strict=True)),
-    )
+    return dst.replace(conv=dst.conv.at[:, dst_idx].set(src.conv[:, src_idx].astype(dst.dtype)),
+                       ssm=dst.ssm.at[:, dst_idx].set(src.ssm[:, src_idx]))

@@ -239,16 +239,41 @@ def _shard_shape(shape, spec, sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
-def param_shardings(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.float32):
-    """``param_specs`` as ``NamedSharding``s on ``mesh``.
+def stacked_param_specs(specs, config: KimiLinearConfig):
+    """``param_specs`` in the layout of ``kimi_linear.stack_layers``: a stacked layer's leaves
+    gain a leading unsplit (repeat) axis.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32, vocab_size=64)
+    >>> specs = stacked_param_specs(param_specs(cfg, make_mesh(1, 1)), cfg)
+    >>> specs["model"]["layers"].body[0]["self_attn"]["o_proj"]["weight"]
+    P(None, None, 'tensor')
+    """
+    start, period, reps = kimi_linear.layer_plan(config)
+    layers = specs["model"]["layers"]
+    if reps < 2 or isinstance(layers, kimi_linear.StackedLayers):
+        return specs
+    end = start + period * reps
+    body = [jax.tree.map(lambda sp: P(None, *sp), layers[start + j], is_leaf=_is_spec)
+            for j in range(period)]
+    stacked = kimi_linear.StackedLayers(head=list(layers[:start]), body=body,
+                                        tail=list(layers[end:]), plan=(start, period, reps))
+    return {**specs, "model": {**specs["model"], "layers": stacked}}
+
+
+def param_shardings(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.float32,
+                    *, stacked: bool = False):
+    """``param_specs`` as ``NamedSharding``s on ``mesh`` (``stacked``: in the layout of
+    ``kimi_linear.stack_layers``).
 
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> param_shardings(cfg, make_mesh(1, 1))["model"]["layers"][1]["block_sparse_moe"][
     ...     "experts"]["w1"].spec
     P(('data', 'tensor'), None, None)
     """
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh, dtype),
-                        is_leaf=_is_spec)
+    specs = param_specs(config, mesh, dtype)
+    if stacked:
+        specs = stacked_param_specs(specs, config)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
 def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
@@ -261,7 +286,8 @@ def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     >>> params["model"]["layers"][0]["self_attn"]["q_proj"]["weight"].sharding.spec
     P('tensor', None)
     """
-    return jax.device_put(params, param_shardings(config, mesh))
+    stacked = isinstance(params["model"]["layers"], kimi_linear.StackedLayers)
+    return jax.device_put(params, param_shardings(config, mesh, stacked=stacked))
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,9 +301,9 @@ def _state_leaf_spec(path) -> P:
         return P()  # one base key; per-request keys come from seeds and positions
     if names[0] in ("recurrent_state_pool", "snapshot_pool"):
         if names[1] == "ssm":
-            return P(DATA, None, TENSOR)  # [D, S, H, Dk, Dv]: heads over tensor
-        if names[1] == "conv":
-            return P(DATA, None, None, TENSOR)  # [D, S, K-1, C]: each device its heads' q|k|v
+            return P(DATA, None, None, TENSOR)  # [D, Lk, S, H, Dk, Dv]: heads over tensor
+        if names[1] == "conv":  # [D, Lk, S, K-1, C]: each device its heads' q|k|v
+            return P(DATA, None, None, None, TENSOR)
     return P(DATA)  # request table, allocators, MLA latents: split by request only
 
 
@@ -290,8 +316,8 @@ def state_specs(state):
     >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
     ...                      num_token_slots=18)
     >>> specs = state_specs(state)
-    >>> specs.recurrent_state_pool.ssm[0], specs.token_to_kv_pool.c_kv[0], specs.rng
-    (P('data', None, 'tensor'), P('data',), P())
+    >>> specs.recurrent_state_pool.ssm, specs.token_to_kv_pool.c_kv, specs.rng
+    (P('data', None, None, 'tensor'), P('data',), P())
     """
     return jax.tree_util.tree_map_with_path(lambda path, _: _state_leaf_spec(path), state)
 
@@ -308,8 +334,8 @@ def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
     ...                      num_token_slots=18)
-    >>> state.mesh_shape, state.token_to_kv_pool.c_kv[0].shape  # [D, slots, kv_lora_rank]
-    ((1, 1), (1, 18, 32))
+    >>> state.mesh_shape, state.token_to_kv_pool.c_kv.shape  # [D, Lm, slots, kv_lora_rank]
+    ((1, 1), (1, 1, 18, 32))
     """
     from hybridattn.serving import ServingState
 
@@ -471,15 +497,19 @@ class ShardedStep:
     """
 
     def __init__(self, config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
-                 logits: bool = False, dtype=jnp.float32):
+                 logits: bool = False, dtype=jnp.float32, scan_layers: bool = False):
         self.config, self.mesh = config, mesh
         self.data, self.tensor = mesh_sizes(mesh)
         check_divisible(config, self.data, self.tensor)
         self.local_config = local_config(config, self.tensor)
         self.comm = MeshComm(self.data, self.tensor)
         self.logits = logits
-        self.param_shardings = param_shardings(config, mesh, dtype)
+        # scan_layers: params in the layout of kimi_linear.stack_layers (its repeated layers
+        # run as one lax.scan inside each device's step)
+        self.param_shardings = param_shardings(config, mesh, dtype, stacked=scan_layers)
         self._param_specs = param_specs(config, mesh, dtype)
+        if scan_layers:
+            self._param_specs = stacked_param_specs(self._param_specs, config)
         self._compiled: dict[Any, Any] = {}
         # per engine, not global: traces of this object's functions (the step's variants, row
         # allocations, releases), i.e. its compilations
@@ -653,6 +683,7 @@ __all__ = [
     "param_specs",
     "shard",
     "shard_params",
+    "stacked_param_specs",
     "stack_batches",
     "state_specs",
 ]

@@ -970,10 +970,10 @@ def _fill_mla(config, num_slots, dtype, seed) -> MLATokenPool:
 def _fill_kv(pool: MLATokenPool, seed: int) -> MLATokenPool:
     n = len(pool.layer_ids)
     return pool.replace(
-        c_kv=tuple(_random_normal(seed + i, x.shape, 1.0, x.dtype)
-                   for i, x in enumerate(pool.c_kv)),
-        k_pe=tuple(_random_normal(seed + n + i, x.shape, 1.0, x.dtype)
-                   for i, x in enumerate(pool.k_pe)))
+        c_kv=jnp.stack([_random_normal(seed + i, x.shape, 1.0, x.dtype)
+                   for i, x in enumerate(pool.c_kv)]),
+        k_pe=jnp.stack([_random_normal(seed + n + i, x.shape, 1.0, x.dtype)
+                   for i, x in enumerate(pool.k_pe)]))
 
 
 def recurrent_state_pools(config: KimiLinearConfig, *, num_slots: int,
@@ -1010,10 +1010,10 @@ def _fill_recurrent(config, num_slots, dtype, seed) -> RecurrentStatePool:
 def _fill_states(pool: RecurrentStatePool, seed: int) -> RecurrentStatePool:
     n = len(pool.layer_ids)
     return pool.replace(
-        conv=tuple(_random_normal(seed + 2 * n + i, x.shape, 1.0, x.dtype)
-                   for i, x in enumerate(pool.conv)),
-        ssm=tuple(_random_normal(seed + 3 * n + i, x.shape, 0.5, jnp.float32)
-                  for i, x in enumerate(pool.ssm)))
+        conv=jnp.stack([_random_normal(seed + 2 * n + i, x.shape, 1.0, x.dtype)
+                   for i, x in enumerate(pool.conv)]),
+        ssm=jnp.stack([_random_normal(seed + 3 * n + i, x.shape, 0.5, jnp.float32)
+                  for i, x in enumerate(pool.ssm)]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -169,6 +169,21 @@ def decode_batch(rows, lens, toks, order):
         forward_mode=ForwardMode.DECODE)
 
 
+def mlx_kimi(path, config: KimiLinearConfig):
+    """mlx-lm's own Kimi-Linear with the weights of the checkpoint directory ``path`` (the
+    independent oracle of the engines); skips the test where mlx-lm is not installed."""
+    import pytest
+
+    mx = pytest.importorskip("mlx.core")
+    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
+    model = kimi.Model(kimi.ModelArgs.from_dict(config.to_dict()))
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    return model
+
+
 def mlx_greedy(model, prompt, n: int) -> list[int]:
     """``n`` greedy tokens of an mlx-lm model after ``prompt``, with its own fresh cache (the
     oracle the engine's generation is compared with)."""

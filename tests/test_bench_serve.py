@@ -35,9 +35,10 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     assert small["large_over_small"] == pytest.approx(small["large_s"] / small["small_s"])
 
     layers = bench._compile_vs_layers([2])
-    assert layers[0]["kda_layers"] == layers[0]["mla_layers"] == 1
-    assert layers[0]["total_s"] == pytest.approx(layers[0]["prefill"]["s"]
-                                                 + layers[0]["decode"]["s"])
+    row = layers[0]
+    assert row["kda_layers"] == row["mla_layers"] == 1 and row["compiled_layers"] == 2
+    for v in (row["unrolled"], row["scanned"]):
+        assert v["total_s"] == pytest.approx(v["prefill"]["s"] + v["decode"]["s"])
 
     ours.pop("tokens")
     bench._print_serve_steps(dict(rows=[dict(batch_size=2, ours=ours)], small_prefill=small,
@@ -45,7 +46,7 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     out = capsys.readouterr().out
     assert "host share" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
     assert "costs 1/" in out and "target 1/25" in out
-    assert "     2 |   1+1   |" in out
+    assert "     2 |   1+1   |        2 |" in out and "scanned/unrolled" in out
 
 
 def test_compile_layers_below_two_are_refused(capsys):

@@ -222,10 +222,10 @@ def _served_batch(cfg):
     pool = MLATokenPool.create(cfg.full_attention_layer_ids, 32, cfg.kv_lora_rank,
                                cfg.qk_rope_head_dim)
     layer = cfg.full_attention_layer_ids[0]
-    pool = pool.replace(c_kv=(jnp.asarray(rng.normal(size=(32, cfg.kv_lora_rank)),
-                                          jnp.float32),),
-                        k_pe=(jnp.asarray(rng.normal(size=(32, cfg.qk_rope_head_dim)),
-                                          jnp.float32),))
+    pool = pool.replace(c_kv=jnp.asarray(rng.normal(size=(1, 32, cfg.kv_lora_rank)),
+                                         jnp.float32),
+                        k_pe=jnp.asarray(rng.normal(size=(1, 32, cfg.qk_rope_head_dim)),
+                                         jnp.float32))
     batch = make_forward_batch(
         [BatchRequest(rows[0], 5, [1, 2, 3], slots[0][5:]), BatchRequest(rows[1], 0,
                                                                          [4, 5, 6, 7], slots[1])],
@@ -292,7 +292,7 @@ def _wide_forward(impl, mode="extend"):
                               query_start_loc=jnp.arange(B + 1, dtype=jnp.int32) * Q,
                               page_table=page_table, out_cache_loc=jnp.arange(T) + 1,
                               max_extend_len=Q)
-        pool = MLATokenPool(c_kv=(c_kv_pool,), k_pe=(k_pe_pool,), layer_ids=(layer,))
+        pool = MLATokenPool(c_kv=c_kv_pool[None], k_pe=k_pe_pool[None], layer_ids=(layer,))
         batch = ForwardBatch(
             input_ids=jnp.zeros(T, jnp.int32), req_pool_indices=jnp.arange(B) + 1,
             seq_lens=seq_lens, extend_seq_lens=extend_lens, out_cache_loc=md.out_cache_loc,

@@ -243,8 +243,8 @@ def test_copy_states_equals_numpy(pool, data):
     src = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
     new = copy_jit(pool, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
     for old, got in zip(jax.tree.leaves(pool), jax.tree.leaves(new), strict=True):
-        want = np.asarray(old).copy()
-        want[dst] = np.asarray(old)[src]
+        want = np.asarray(old).copy()  # [layers, slots, ...]
+        want[:, dst] = np.asarray(old)[:, src]
         np.testing.assert_array_equal(np.asarray(got), want)
 
 

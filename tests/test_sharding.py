@@ -102,12 +102,11 @@ def test_sharded_prefill_and_decodes_equal_the_unsharded_step(mesh_shape, params
         ref_batches = [make_worker_batch(it, **DECODE) for it in items]
     pools, kv = state.recurrent_state_pool, state.token_to_kv_pool
     for k in range(D):
-        _close(np.asarray(pools.ssm[0])[k], refs[k].recurrent_state_pool.ssm[0],
-               f"shard {k} KDA state")
-        _close(S.natural_conv(jnp.asarray(np.asarray(pools.conv[0])[k]), tensor),
-               refs[k].recurrent_state_pool.conv[0], f"shard {k} conv state")
-        _close(np.asarray(kv.c_kv[0])[k], refs[k].token_to_kv_pool.c_kv[0], f"shard {k} c_kv")
-        _close(np.asarray(kv.k_pe[0])[k], refs[k].token_to_kv_pool.k_pe[0], f"shard {k} k_pe")
+        _close(np.asarray(pools.ssm)[k], refs[k].recurrent_state_pool.ssm, f"shard {k} KDA state")
+        _close(S.natural_conv(jnp.asarray(np.asarray(pools.conv)[k]), tensor),
+               refs[k].recurrent_state_pool.conv, f"shard {k} conv state")
+        _close(np.asarray(kv.c_kv)[k], refs[k].token_to_kv_pool.c_kv, f"shard {k} c_kv")
+        _close(np.asarray(kv.k_pe)[k], refs[k].token_to_kv_pool.k_pe, f"shard {k} k_pe")
         assert np.array_equal(np.asarray(state.req_to_token_pool.req_to_token)[k],
                               refs[k].req_to_token_pool.req_to_token)
 
@@ -415,16 +414,10 @@ def test_engine_mesh_errors_name_the_value(params):
 def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
     """The independent oracle: mlx-lm's Kimi-Linear reading the same checkpoint, greedy, one
     request at a time with its own caches."""
-    mx = pytest.importorskip("mlx.core")
-    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
-    from harness import mlx_greedy
+    from harness import mlx_greedy, mlx_kimi
 
     kimi_linear.save_pretrained(params, CFG, tmp_path)
-    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model = mlx_kimi(tmp_path, CFG)
     _, eng = engines
     prompts, news = _workload()
     got = [[] for _ in prompts]

@@ -41,8 +41,10 @@ from jaxtyping import Array, Float, Int, Key, UInt32
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from hybridattn._pytree import pytree_dataclass
 from hybridattn.config import KimiLinearConfig
 from hybridattn.ops import kda_chunked, kda_gate, l2norm, short_conv
+from hybridattn.pools import LayerRef
 from servecore.progress import progress_bar
 from servecore.prompts import load_tokenizer as _load_tokenizer
 
@@ -156,6 +158,7 @@ def to_checkpoint(params: Params) -> dict[str, np.ndarray]:
     >>> "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ckpt
     True
     """
+    params = unstack_layers(params)
     flat: dict[str, np.ndarray] = {}
 
     def walk(prefix: str, node) -> None:
@@ -382,8 +385,8 @@ def routed_experts(
 
 
 def kda_attention(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
-    comm=None,
+    p: Params, config: KimiLinearConfig, layer_id: int | LayerRef, x: Float[Array, "T D"],
+    backend, batch, comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """KDA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
 
@@ -452,8 +455,8 @@ def mla_split(
 
 
 def mla_attention(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
-    comm=None,
+    p: Params, config: KimiLinearConfig, layer_id: int | LayerRef, x: Float[Array, "T D"],
+    backend, batch, comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """MLA layer on ``x [T, D]`` through ``backend``: ``(out [T, D], batch)``.
 
@@ -477,11 +480,13 @@ def mla_attention(
 
 
 def decoder_layer(
-    p: Params, config: KimiLinearConfig, layer_id: int, x: Float[Array, "T D"], backend, batch,
-    comm=None,
+    p: Params, config: KimiLinearConfig, layer_id: int | LayerRef, x: Float[Array, "T D"],
+    backend, batch, comm=None,
 ) -> tuple[Float[Array, "T D"], Any]:
     """One pre-norm residual block on ``x [T, D]``: ``(x, batch)``. Attention (KDA or MLA by
     ``layer_id``, through ``backend``) then the MLP (dense, or ``sparse_moe`` on MoE layers).
+    ``layer_id`` is an int, or a ``hybridattn.pools.LayerRef`` inside a scan over stacked
+    layers (``stack_layers``); the backend receives it as it is.
 
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> layers = init_params(cfg, jax.random.key(0))["model"]["layers"]
@@ -495,12 +500,13 @@ def decoder_layer(
     >>> x.shape
     (3, 32)
     """
+    kind = getattr(layer_id, "layer_id", layer_id)  # the int id of its kind and shapes
     h = rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)
-    attn = kda_attention if config.is_kda_layer(layer_id) else mla_attention
+    attn = kda_attention if config.is_kda_layer(kind) else mla_attention
     a, batch = attn(p["self_attn"], config, layer_id, h, backend, batch, comm)
     x = x + a
     h = rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)
-    if config.is_moe_layer(layer_id):
+    if config.is_moe_layer(kind):
         m = sparse_moe(p["block_sparse_moe"], config, h, comm)
     else:
         m = dense_mlp(p["mlp"], h, comm)
@@ -530,14 +536,157 @@ def forward(
     >>> backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(batch))
     >>> hidden, batch = jax.eval_shape(lambda p, b: forward(p, cfg, backend, b),
     ...                                param_shapes(cfg), batch)
-    >>> hidden.shape, batch.token_to_kv_pool.c_kv[0].shape  # [T, D]; the updated MLA pool
-    ((3, 32), (9, 32))
+    >>> hidden.shape, batch.token_to_kv_pool.c_kv.shape  # [T, D]; the updated MLA pool
+    ((3, 32), (1, 9, 32))
     """
     _check_supported(config)
     x = params["model"]["embed_tokens"]["weight"][batch.input_ids]
-    for i, layer in enumerate(params["model"]["layers"]):
-        x, batch = decoder_layer(layer, config, i, x, backend, batch, comm)
+    layers = params["model"]["layers"]
+    if isinstance(layers, StackedLayers):
+        x, batch = _stacked_forward(layers, config, x, backend, batch, comm)
+    else:
+        for i, layer in enumerate(layers):
+            x, batch = decoder_layer(layer, config, i, x, backend, batch, comm)
     return rms_norm(x, params["model"]["norm"]["weight"], config.rms_norm_eps), batch
+
+
+# --------------------------------------------------------------------------------------------
+# layers of one kind compiled once: a scan over stacked layers
+# --------------------------------------------------------------------------------------------
+
+
+def layer_plan(config: KimiLinearConfig) -> tuple[int, int, int]:
+    """``(start, period, repeats)``: layers ``start .. start + period * repeats - 1`` repeat
+    one pattern of ``period`` layers (kind and MLP: KDA or MLA, dense or MoE) ``repeats``
+    times, the longest such run (then the earliest, then the shortest period); ``(0, 0, 0)``
+    when nothing repeats. ``stack_layers`` stacks that run; the step compiles ``period``
+    layers for it instead of ``period * repeats``.
+
+    The released 27-layer pattern (MLA every 4th layer and the last; layer 0 dense): one
+    layer, six repeats of (KDA, KDA, MLA, KDA), two more; 7 layers compiled instead of 27.
+
+    >>> layer_plan(KimiLinearConfig.tiny(num_hidden_layers=27))
+    (1, 4, 6)
+    >>> layer_plan(KimiLinearConfig.tiny())  # 4 layers: 1 and 2 (KDA, MoE) repeat
+    (1, 1, 2)
+    >>> layer_plan(KimiLinearConfig.tiny(num_hidden_layers=2))  # nothing repeats
+    (0, 0, 0)
+    """
+    n = config.num_hidden_layers
+    sig = [(config.is_kda_layer(i), config.is_moe_layer(i)) for i in range(n)]
+    best, saved = (0, 0, 0), 0
+    for start in range(n):
+        for period in range(1, (n - start) // 2 + 1):
+            unit, reps = sig[start:start + period], 1
+            while sig[start + reps * period:start + (reps + 1) * period] == unit:
+                reps += 1
+            if (reps - 1) * period > saved:
+                best, saved = (start, period, reps), (reps - 1) * period
+    return best
+
+
+@pytree_dataclass(static=("plan",))
+class StackedLayers:
+    """``params["model"]["layers"]`` of ``stack_layers``: the layers before the repeated run
+    (``head``, as they are), the run (``body``: ``period`` layer dicts whose leaves are
+    stacked ``[repeats, ...]``, position ``j`` holding layers ``start + j + k * period``) and
+    the layers after it (``tail``). ``plan`` is ``layer_plan(config)``.
+
+    >>> cfg = KimiLinearConfig.tiny(hidden_size=32, vocab_size=64)  # layers 1 and 2 repeat
+    >>> layers = stack_layers(init_params(cfg, jax.random.key(0)), cfg)["model"]["layers"]
+    >>> layers.plan, len(layers.head), len(layers.body), len(layers.tail)
+    ((1, 1, 2), 1, 1, 1)
+    >>> layers.body[0]["input_layernorm"]["weight"].shape  # [repeats, D]
+    (2, 32)
+    """
+
+    head: Any
+    body: Any
+    tail: Any
+    plan: tuple[int, int, int]
+
+
+def stack_layers(params: Params, config: KimiLinearConfig) -> Params:
+    """``params`` with the repeated run of layers (``layer_plan``) stacked, so that
+    ``forward`` runs it as a ``lax.scan`` and the step compiles each layer of the pattern
+    once; unchanged when nothing repeats or when already stacked. ``unstack_layers`` is the
+    inverse; ``save_pretrained`` and ``to_checkpoint`` write the checkpoint layout either way.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> stacked = stack_layers(params, cfg)
+    >>> layers = stacked["model"]["layers"]
+    >>> layers.plan, len(layers.head), len(layers.body), len(layers.tail)
+    ((1, 4, 2), 1, 4, 3)
+    >>> layers.body[0]["self_attn"]["q_proj"]["weight"].shape  # layers 1 and 5
+    (2, 64, 32)
+    >>> back = unstack_layers(stacked)
+    >>> jax.tree.all(jax.tree.map(jnp.array_equal, back, params))
+    True
+    """
+    layers = params["model"]["layers"]
+    if isinstance(layers, StackedLayers):
+        return params
+    start, period, reps = plan = layer_plan(config)
+    if reps < 2:
+        return params
+    end = start + period * reps
+    body = [jax.tree.map(lambda *xs: jnp.stack(xs), *layers[start + j:end:period])
+            for j in range(period)]
+    stacked = StackedLayers(head=list(layers[:start]), body=body, tail=list(layers[end:]),
+                            plan=plan)
+    return {**params, "model": {**params["model"], "layers": stacked}}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The checkpoint layout (a list of layer dicts) of ``params``, stacked or not.
+
+    >>> cfg = KimiLinearConfig.tiny(hidden_size=32, vocab_size=64)
+    >>> params = init_params(cfg, jax.random.key(0))
+    >>> layers = unstack_layers(stack_layers(params, cfg))["model"]["layers"]
+    >>> len(layers), layers[2]["self_attn"]["q_proj"]["weight"].shape
+    (4, (64, 32))
+    >>> unstack_layers(params) is params  # not stacked: as it is
+    True
+    """
+    layers = params["model"]["layers"]
+    if not isinstance(layers, StackedLayers):
+        return params
+    start, period, reps = layers.plan
+    run = [jax.tree.map(lambda x, k=k: x[k], layers.body[j])
+           for k in range(reps) for j in range(period)]
+    return {**params, "model": {**params["model"],
+                                "layers": [*layers.head, *run, *layers.tail]}}
+
+
+def _stacked_forward(layers: StackedLayers, config: KimiLinearConfig, x, backend, batch, comm):
+    """``forward``'s layers over stacked parameters: the head and tail layer by layer, the
+    repeated run as one ``lax.scan`` whose body is one period. A layer at position ``j`` of
+    repeat ``k`` reaches its pools through ``LayerRef(start + j, first[j] + k * per[j])``:
+    its kind's pool index is the first repeat's plus ``k`` times that kind's count per
+    period."""
+    start, period, reps = layers.plan
+    for i, p in enumerate(layers.head):
+        x, batch = decoder_layer(p, config, i, x, backend, batch, comm)
+    ids = range(start, start + period)
+    kinds = [config.kda_layer_ids if config.is_kda_layer(i) else config.full_attention_layer_ids
+             for i in ids]
+    first = [kind.index(i) for kind, i in zip(kinds, ids, strict=True)]
+    per = [sum(j in kind for j in ids) for kind in kinds]
+
+    def one_period(carry, xs):
+        x, batch = carry
+        k, ps = xs
+        for j, i in enumerate(ids):
+            layer = LayerRef(i, first[j] + k * per[j])
+            x, batch = decoder_layer(ps[j], config, layer, x, backend, batch, comm)
+        return (x, batch), None
+
+    (x, batch), _ = jax.lax.scan(one_period, (x, batch),
+                                 (jnp.arange(reps, dtype=jnp.int32), list(layers.body)))
+    for k, p in enumerate(layers.tail):
+        x, batch = decoder_layer(p, config, start + period * reps + k, x, backend, batch, comm)
+    return x, batch
 
 
 def compute_logits(
@@ -573,8 +722,8 @@ class _DenseAttention:
     seq_len: int
     chunk_size: int
 
-    def __call__(self, layer_id: int, batch, **inputs):
-        if self.config.is_kda_layer(layer_id):
+    def __call__(self, layer_id, batch, **inputs):
+        if self.config.is_kda_layer(getattr(layer_id, "layer_id", layer_id)):
             return self._kda(**inputs), batch
         return self._mla(**inputs), batch
 
@@ -657,6 +806,7 @@ def apply(
                          f"{input_ids.dtype} and shape {input_ids.shape}")
     B, T = input_ids.shape
     backend = _DenseAttention(config, B, T, chunk_size)
+    params = unstack_layers(params)
     x = params["model"]["embed_tokens"]["weight"][input_ids.reshape(B * T)]
     for i, layer in enumerate(params["model"]["layers"]):
         x, _ = decoder_layer(layer, config, i, x, backend, None)
@@ -698,7 +848,8 @@ needs (65, 32)
     """
     want = dict(_flat(param_shapes(config)))
     try:
-        got = dict(_flat(params))
+        stacked = isinstance(params["model"]["layers"], StackedLayers)
+        got = dict(_flat(jax.eval_shape(unstack_layers, params) if stacked else params))
     except Exception as e:  # not a tree of arrays at all
         raise ValueError(f"params must be the nested dict of arrays of param_shapes(config): "
                          f"{e}") from None
@@ -1114,9 +1265,10 @@ def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.Pat
 
 
 __all__ = [
-    "apply", "check_params", "compute_logits", "dense_mlp", "decoder_layer", "forward",
-    "from_checkpoint",
-    "init_params", "kda_attention", "load", "load_tokenizer", "mla_attention", "mla_split",
-    "param_shapes",
-    "rms_norm", "route", "routed_experts", "save_pretrained", "sparse_moe", "to_checkpoint",
+    "StackedLayers", "apply", "check_params", "compute_logits", "dense_mlp", "decoder_layer",
+    "forward", "from_checkpoint",
+    "init_params", "kda_attention", "layer_plan", "load", "load_tokenizer", "mla_attention",
+    "mla_split", "param_shapes",
+    "rms_norm", "route", "routed_experts", "save_pretrained", "sparse_moe", "stack_layers",
+    "to_checkpoint", "unstack_layers",
 ]
