@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import CFG, ENGINE, PARAMS, assert_whole, prompts_of
+from harness import CFG, ENGINE, PARAMS, assert_whole, mlx_kimi, prompts_of
 from harness import mlx_greedy as greedy_oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,13 +39,7 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlx_greedy(loaded):
-    mx = pytest.importorskip("mlx.core")
-    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
-    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {}
-    for f in sorted(loaded[0].glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model = mlx_kimi(loaded[0], CFG)
     return lambda prompt, n: greedy_oracle(model, prompt, n)
 
 

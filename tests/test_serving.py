@@ -19,6 +19,7 @@ from harness import (
     assert_whole,
     decode_batch,
     engine,
+    mlx_kimi,
     prefilled,
     prompts_of,
     state_with_rows,
@@ -54,13 +55,7 @@ def loaded(checkpoint):
 def mlx_greedy(checkpoint):
     """Greedy generation with mlx-lm's Kimi-Linear, reading the same checkpoint files through
     its own ``sanitize``, with its own per-request caches."""
-    mx = pytest.importorskip("mlx.core")
-    kimi = pytest.importorskip("mlx_lm.models.kimi_linear")
-    model = kimi.Model(kimi.ModelArgs.from_dict(CFG.to_dict()))
-    weights = {}
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model = mlx_kimi(checkpoint, CFG)
 
     def generate(prompt, n):
         return greedy_oracle(model, prompt, n)
