@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import warnings
 
 if os.environ.get("HYBRIDATTN_XLA_OPT", "0") != "1":  # before JAX starts its backend
     _flag = "--xla_backend_optimization_level=0"
@@ -64,10 +65,24 @@ HAVE_MLX = (
 )
 
 
+MAPS_WARN = 45_000
+"""Memory maps a worker may hold at the end of a module before the suite warns (of 65,530)."""
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
-    """Frees the module's executables (and their memory maps) once its fixtures are gone."""
+def _drop_compiled_programs(request):
+    """Frees the module's executables (and their memory maps) once its fixtures are gone,
+    warning first if the worker came near the limit (a module that compiles too much)."""
     yield
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+    except OSError:  # not Linux
+        held = 0
+    if held > MAPS_WARN:
+        warnings.warn(f"{request.module.__name__}: this worker holds {held} memory maps of the "
+                      "65,530 Linux allows (vm.max_map_count); XLA:CPU segfaults past it",
+                      stacklevel=1)
     jax.clear_caches()
     gc.collect()
 
