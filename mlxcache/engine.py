@@ -984,6 +984,7 @@ class Engine:
         try:
             prefilled = self._admit_and_prefill()
             if prefilled and self._waiting:  # prefill first: more may be admissible now
+                self._settle()  # the reader may take its first token to another thread
                 return True
             decoded = False
             for group in list(self._groups):

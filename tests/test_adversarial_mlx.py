@@ -573,6 +573,27 @@ def test_calls_from_four_threads_are_serialized_and_exact(model):
     assert_intact(engine)
 
 
+def test_a_prefill_step_that_returns_early_leaves_its_arrays_scheduled(model):
+    """Prefill first: a step that prefilled while a request still waits returns before it
+    decodes. What it built must be scheduled too: the stream's reader got its first token
+    from that step, in its thread, and the next call, in another thread, decodes on those
+    arrays (unscheduled, MLX fails: "There is no Stream(cpu, N) in current thread")."""
+    engine = Engine(model, num_slots=40, max_batch_size=3, prefill_batch_tokens=4)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    opened = engine.stream(prompts, max_tokens=3)  # two prefill batches of 4 tokens
+    first: list = []
+    reader = threading.Thread(target=lambda: first.append(next(opened)))
+    reader.start()
+    reader.join(timeout=120)
+    assert first and first[0][0] == 0  # the first prompt's prefill ran; the second waits
+    assert engine.generate([[9, 10]], max_tokens=3)[0] == fresh(model, [9, 10], 3)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    for i, tok in first + list(opened):
+        got[i].append(tok)
+    assert got == {i: fresh(model, p, 3) for i, p in enumerate(prompts)}
+    assert_intact(engine)
+
+
 class _Reentrant(nn.Module):
     """A model that calls back into the engine from its forward."""
 
