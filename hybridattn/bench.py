@@ -32,7 +32,10 @@ default or ``--decode-steps N``):
 - **host**: the Python side of the step's scheduling round outside the wait for its outputs
   (planning, packing the batch, the jitted call until it returns: argument flattening,
   transfers and dispatch; then committing the tokens), from ``EngineStats.*_host_seconds``;
-  **wait**: the time then blocked on the outputs (``*_wait_seconds``);
+  **exposed**: the part of it the device did not hide (``decode_exposed_seconds``: our engine
+  overlaps its rounds, ``Engine(overlap=True)``; a prefill's host time is all exposed);
+  **wait**: the time then blocked on the outputs (``*_wait_seconds``). The same engine with
+  synchronous rounds (``overlap=False``) runs beside it as ``ours_sync``;
 - **device**: the step alone: its inputs are captured during the compiling run (the state
   copied before the step donates it, the batch put on the device), then the jitted step runs
   on a fresh copy of that state, timed from the call to its outputs ready; the median of
@@ -469,10 +472,11 @@ def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
     rids = [engine.add_request(p, new_tokens) for p in prompts]
     out: dict[int, list[int]] = {r: [] for r in rids}
     steps: dict[str, list[dict]] = {k: [] for k in STEP_KINDS}
-    fields = ("seconds", "host_seconds", "wait_seconds")
+    fields = ("seconds", "host_seconds", "wait_seconds", "exposed_seconds")
 
-    def sums():
-        return {k: [getattr(engine.stats, f"{k}_{f}") for f in fields] for k in STEP_KINDS}
+    def sums():  # a prefill step is never overlapped: all its host time is exposed
+        return {k: [getattr(engine.stats, f"{k}_{f}" if f != "exposed_seconds" or k == "decode"
+                            else f"{k}_host_seconds") for f in fields] for k in STEP_KINDS}
 
     while engine.has_unfinished():
         before, ran = sums(), engine.stats.steps
@@ -482,7 +486,8 @@ def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
         for k, after in sums().items():
             d = [a - b for a, b in zip(after, before[k], strict=True)]
             if d[0] > 0:
-                steps[k].append(dict(step_s=d[0] / n, host_s=d[1] / n, wait_s=d[2] / n, n=n))
+                steps[k].append(dict(step_s=d[0] / n, host_s=d[1] / n, wait_s=d[2] / n,
+                                     exposed_s=d[3] / n, n=n))
     return [out[r] for r in rids], steps
 
 
@@ -504,7 +509,8 @@ def _bucket_rows(bucket_seconds: dict) -> list[dict]:
 
 
 def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: int,
-                device_rounds: int = 20, decode_steps: int | None = None) -> dict:
+                device_rounds: int = 20, decode_steps: int | None = None,
+                overlap: bool = True) -> dict:
     """Our engine on ``prompts [B, P]``: all prompts in one prefill step, then
     ``new_tokens - 1`` decode steps (``decode_steps`` per dispatch; None: the engine's
     default); best of ``repeats`` runs after a compiling run, and per step (medians over the
@@ -519,7 +525,7 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
     engine = Engine(config, params, max_running_requests=B, max_context_len=ctx,
                     num_token_slots=B * ctx + 1, chunked_prefill_size=B * P,
                     request_buckets=(B,), token_buckets=(B * P + B,), kv_buckets=(ctx,),
-                    prefix_cache=False,
+                    prefix_cache=False, overlap=overlap,
                     **({} if decode_steps is None else dict(decode_steps=decode_steps)))
     captured = _capture_steps(engine)
     t0 = time.perf_counter()
@@ -548,11 +554,11 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
                             else max(3, device_rounds // 4))
         per_step[k] = dict(steps=sum(x["n"] for x in samples[k]), rounds=len(samples[k]),
                            **{f: _median([x[f] for x in samples[k]])
-                              for f in ("step_s", "host_s", "wait_s")},
+                              for f in ("step_s", "host_s", "wait_s", "exposed_s")},
                            device_s=_median(alone), device_runs=len(alone))
     captured.clear()  # the state copies
     out = dict(engine="ours", batch_size=B, prompt_len=P, new_tokens=new_tokens,
-               decode_steps=engine.decode_steps,
+               decode_steps=engine.decode_steps, overlap=overlap,
                prefill_s=best_prefill, prefill_tok_s=B * P / best_prefill,
                decode_step_s=best_step if new_tokens > 1 else None,
                decode_tok_s=B / best_step if new_tokens > 1 else None,
@@ -679,6 +685,9 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
         row: dict = dict(batch_size=B)
         row["ours"] = _ours_serve(config, params, prompts, new_tokens, repeats, device_rounds,
                                   decode_steps)
+        # the same engine with synchronous rounds (overlap=False): what overlapping buys
+        row["ours_sync"] = _ours_serve(config, params, prompts, new_tokens, repeats,
+                                       device_rounds, decode_steps, overlap=False)
         row["mlx_lm"] = A.mlx_lm_serve(config, params, prompts=prompts.tolist(),
                                        new_tokens=new_tokens, repeats=repeats, model=mlx_model)
         if tf_model is not None:
@@ -693,7 +702,8 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
         floor = A.decode_bytes_per_step(config, B, prompt_len + new_tokens // 2)
         row["decode_floor_s"] = floor["total"] / (bandwidth * 1e9)
         row["decode_floor_bytes"] = floor["total"]
-        for r in (row["ours"], row["mlx_lm"], row.get("transformers", {})):
+        row["ours_sync"]["tokens_equal_ours"] = row["ours_sync"]["tokens"] == ours_tokens
+        for r in (row["ours"], row["ours_sync"], row["mlx_lm"], row.get("transformers", {})):
             r.pop("tokens", None)
             r.pop("prompts", None)
         res["rows"].append(row)
@@ -1084,8 +1094,10 @@ def _longctx_one(prompt_len: int, new_tokens: int, chunked_prefill_size: int | N
     params = M.init_params(config, jax.random.key(0))
     ctx = prompt_len + new_tokens
     kw = {} if chunked_prefill_size is None else dict(chunked_prefill_size=chunked_prefill_size)
+    # Synchronous rounds: a decode step and the MLA call timed after it alternate, and an
+    # overlapped engine would have its next step on the device during that call.
     engine = Engine(config, params, max_running_requests=1, max_context_len=ctx,
-                    num_token_slots=ctx + 1, prefix_cache=False, **kw)
+                    num_token_slots=ctx + 1, prefix_cache=False, overlap=False, **kw)
     prompt = np.random.default_rng(0).integers(1, config.vocab_size, prompt_len).tolist()
     t0 = time.perf_counter()
     _precompile_longctx(engine, prompt_len, new_tokens)
@@ -1337,7 +1349,7 @@ def _print_serve(res: dict) -> None:
           f"{'ms/step':>8} | {'ours: prefill':>13} | {'decode':>7} | same tokens")
     for row in res["rows"]:
         ours = row["ours"]
-        for name in ("ours", "mlx_lm", "transformers"):
+        for name in ("ours", "ours_sync", "mlx_lm", "transformers"):
             r = row.get(name)
             if not r or r.get("skipped"):
                 continue
@@ -1372,21 +1384,23 @@ def _print_serve_steps(res: dict) -> None:
     rows = [r for r in res["rows"] if "per_step" in r["ours"]]
     if rows:
         print()
-        print("ours per step, ms (medians): step = packing to outputs; host = the Python side of "
-              "the round\noutside the wait (plan, pack, dispatch, commit); wait = blocked on "
-              "the outputs;\ndevice = the step alone on its captured inputs, prepared on the "
-              "device")
-        hdr = (f"{'B':>3} | {'kind':>7} | {'steps':>5} | {'step':>6} | {'host':>6} | "
-               f"{'wait':>6} | {'device':>6} | host share")
+        print("ours per step, ms (medians): step = packing to outputs (a run dispatched before "
+              "the last one's\noutputs: from those outputs); host = the Python side of the "
+              "round outside the wait (plan,\npack, dispatch, commit); exposed = the part of "
+              "host the device did not hide (overlapped\nrounds, 'ours'; all of it in "
+              "'ours_sync'); wait = blocked on the outputs; device = the step alone\non its "
+              "captured inputs, prepared on the device")
+        hdr = (f"{'B':>3} | {'engine':>9} | {'kind':>7} | {'steps':>5} | {'step':>6} | "
+               f"{'host':>6} | {'exposed':>7} | {'wait':>6} | {'device':>6}")
         print(hdr)
         print("-" * len(hdr))
         for row in rows:
-            for kind, e in row["ours"]["per_step"].items():
-                rnd = (e["host_s"] or 0) + (e["wait_s"] or 0)
-                share = f"{e['host_s'] / rnd:9.0%}" if rnd else f"{'-':>9}"
-                print(f"{row['batch_size']:>3} | {kind:>7} | {e['steps']:>5} | "
-                      f"{_ms(e['step_s'])} | {_ms(e['host_s'])} | {_ms(e['wait_s'])} | "
-                      f"{_ms(e['device_s'])} | {share}")
+            for name in ("ours", "ours_sync"):
+                for kind, e in row.get(name, {}).get("per_step", {}).items():
+                    print(f"{row['batch_size']:>3} | {name:>9} | {kind:>7} | {e['steps']:>5} | "
+                          f"{_ms(e['step_s'])} | {_ms(e['host_s'])} | "
+                          f" {_ms(e.get('exposed_s'))} | {_ms(e['wait_s'])} | "
+                          f"{_ms(e['device_s'])}")
         print()
         print("compile s per step bucket (mode requests x tokens x kv width x extend): the "
               "step's first run")

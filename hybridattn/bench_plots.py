@@ -81,7 +81,8 @@ def plot_serve(res: dict, out_dir: str) -> str:
     fig, axes = plt.subplots(1, 2, **_STYLE)
     rows = res["rows"]
     B = [r["batch_size"] for r in rows]
-    names = {"ours": "hybridattn.Engine", "mlx_lm": "mlx-lm", "transformers": "transformers"}
+    names = {"ours": "hybridattn.Engine", "ours_sync": "hybridattn.Engine, overlap=False",
+             "mlx_lm": "mlx-lm", "transformers": "transformers"}
     for ax, what in zip(axes, ("prefill", "decode"), strict=True):
         for key, label in names.items():
             pts = [(r["batch_size"], r[key][f"{what}_tok_s"]) for r in rows

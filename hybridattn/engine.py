@@ -20,6 +20,16 @@ The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (sta
 4. **Finish** requests on a stop token or ``max_new_tokens``: their token slots, row and state
    slot are released (``hybridattn.serving.release``) and waiting requests move up.
 
+**Overlapped scheduling** (``overlap=True``, the default on one device): a ``DECODE`` run is
+left on the device when its round ends. The next round dispatches the run that follows it
+first, its tokens read on the device from the run in flight (``_follow``: a request that
+sampled a stop token there is padding in it), and only then waits for the earlier run's
+tokens and commits them, finishes requests and releases their rows: the host's planning,
+packing, dispatch and commit all happen while the device computes. A round that needs the
+tokens to decide (a prompt to run, a waiting request the run in flight may let in) commits
+first and plans as above. The outputs, the pools and the prefix cache are those of
+synchronous rounds; tokens reach callers one round later.
+
 The contract with callers (``Engine`` docstring): any number of ``generate``, ``stream`` and
 ``add_request`` / ``step`` users may be interleaved in one thread; each gets its own requests'
 tokens (per-request output buffers), each stream ends when its own requests end, and aborting
@@ -70,6 +80,7 @@ from hybridattn.scheduler import (
 )
 from hybridattn.serving import (
     ServingState,
+    _padding_unless,
     borrow_prefix,
     decode_steps,
     make_worker_batch,
@@ -106,6 +117,20 @@ def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_token
                    num_steps: int):
     """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count)."""
     return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens)
+
+
+def _follow(batch, prev_tokens, cols, last, stop_token_ids):
+    """The DECODE ``batch`` of a run dispatched while the run before it is still on the
+    device (overlapped scheduling), its tokens taken from that run's output: row ``b`` feeds
+    ``prev_tokens[last[b], cols[b]]``, the last token its request sampled there
+    (``prev_tokens`` is a multi-step run's ``[N, B']`` or a single step's ``[B']``). A row
+    whose token is -1 or one of its ``stop_token_ids`` finished inside that run and becomes
+    padding: no token slot, nothing written."""
+    prev = prev_tokens.reshape(-1, prev_tokens.shape[-1])
+    tok = prev[last, cols]
+    keep = ((batch.req_pool_indices > 0) & (tok >= 0)
+            & ~jnp.any(tok[:, None] == stop_token_ids, axis=1))
+    return _padding_unless(batch.replace(input_ids=jnp.where(keep, tok, 0)), keep)
 
 
 STOP_BUCKETS = (4, 16, 64)
@@ -157,6 +182,7 @@ class _Compiled:
         self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
         self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
         self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
+        self.follow = jax.jit(_follow)
         self._decode: dict[int, Any] = {}
 
     def decode(self, num_steps: int):
@@ -440,9 +466,14 @@ class EngineStats(ServingStats):
     the step, packing the batch, the jitted call until it returns: argument flattening,
     transfers, dispatch; then committing the sampled tokens); ``*_wait_seconds`` the time
     then spent blocked on the outputs: the device's work that the host side did not
-    overlap. Host + wait is each round from planning to commit; ``prefill_seconds`` /
-    ``decode_seconds`` run from the packing to the outputs (``hybridattn.bench serve`` times
-    the step alone on the device apart).
+    overlap. Without overlapped scheduling, host + wait is each round from planning to
+    commit; ``prefill_seconds`` / ``decode_seconds`` run from the packing to the outputs
+    (from the previous run's outputs on, for a run dispatched before them), so they add up
+    to the wall time of the steps (``hybridattn.bench serve`` times the step alone on the
+    device apart). ``decode_exposed_seconds``: the part of ``decode_host_seconds`` the
+    device did not hide, during which it had nothing queued (all of it without
+    overlapping; with it, an upper bound: a stretch of host work counts whole when the
+    device was found idle at its end).
 
     >>> stats = EngineStats(prefill_tokens=512, prefill_seconds=0.25, decode_tokens=64,
     ...                     decode_seconds=0.5, ttft=[0.1, 0.3])
@@ -463,6 +494,27 @@ class EngineStats(ServingStats):
     prefill_wait_seconds: float = 0.0
     decode_host_seconds: float = 0.0
     decode_wait_seconds: float = 0.0
+    decode_exposed_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _Run:
+    """A step (or multi-step decode) on the device whose tokens the host has not committed:
+    its plan and step limits (None: one step), its outputs (device arrays), its bucket key,
+    whether dispatching it compiled, when its round began planning it (``t_plan``), packing
+    it (``t_pack``) and when the dispatch returned (``t_call``), and of the host seconds
+    before that, ``exposed``: those during which the device had nothing queued."""
+
+    plan: StepPlan | ShardedPlan
+    limits: list[int] | None
+    tokens: Any
+    ok: Any
+    key: tuple
+    compiled: bool
+    t_plan: float
+    t_pack: float
+    t_call: float
+    exposed: float
 
 
 class Engine:
@@ -554,6 +606,18 @@ class Engine:
             function per bucket, so a short-lived engine (or a test) pays a compile for it.
             Under a ``mesh`` the engine decodes one step per round (``ShardedStep`` wraps
             the single step only).
+        overlap: overlapped scheduling (default on; one device): a ``DECODE`` run stays on
+            the device while the round ends, and the next round dispatches the run that
+            follows it before reading its tokens: that run takes each request's last token
+            from the device (a request that sampled a stop token there becomes padding),
+            and the host then commits the earlier run's tokens, finishes requests and
+            plans, all while the device computes. JAX dispatch is asynchronous, so the
+            device never waits for the host between decode runs. A round waits for the
+            tokens first when the next run depends on them: a prompt to run, or a waiting
+            request that the run in flight may let in (a row is free, or a request there
+            reaches ``max_new_tokens``). Outputs, pools and the prefix cache are those of
+            the synchronous engine (``overlap=False``); a round's tokens reach ``step`` /
+            ``stream`` one round later.
         scan_layers: run the layers that repeat one pattern (``kimi_linear.layer_plan``: the
             released 27 layers repeat (KDA, KDA, MLA, KDA) six times) as one ``lax.scan``
             over stacked parameters and pools (``kimi_linear.stack_layers``, done here), so
@@ -663,6 +727,7 @@ class Engine:
         num_snapshot_slots: int | None = None,
         tokenizer: Any = None,
         decode_steps: int = 1,
+        overlap: bool = True,
         scan_layers: bool = True,
         mesh: Any = None,  # a jax.sharding.Mesh; checked by _check_mesh (ValueError)
     ):
@@ -715,8 +780,10 @@ class Engine:
             raise ValueError(f"the EOS ids {sorted(eos)} of the tokenizer and config must lie "
                              f"in the model's vocabulary [0, {config.vocab_size})")
         self.tokenizer, self._eos = tokenizer, eos
-        if not isinstance(scan_layers, bool):
-            raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+        for name, flag in (("overlap", overlap), ("scan_layers", scan_layers)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        self.overlap = overlap and mesh is None
         if scan_layers:
             params = kimi_linear.stack_layers(params, config)
         self.config, self.params = config, params
@@ -858,6 +925,8 @@ class Engine:
         self._orphans: deque[int] = deque()  # rids of streams dropped mid-transaction
         self._busy = 0  # depth of transactions (rounds, aborts) in progress
         self._jit = _Compiled()  # this engine's own compilations
+        self._inflight: _Run | None = None  # a DECODE run not committed yet (overlap)
+        self._last_ready = 0.0  # when the last committed run's tokens were read
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -1062,18 +1131,36 @@ class Engine:
     def step(self) -> list[tuple[int, int, bool]]:
         """One scheduling round (admit, schedule, run one step, finish); returns ``(request
         id, token, finished)`` for every token of the requests queued with ``add_request``
-        that nobody has received yet: those of this round and of rounds a ``stream`` or
-        ``generate`` ran since the last ``step`` (none for a round that only ran prompt
-        chunks, or when nothing is queued)."""
+        that nobody has received yet: those committed by this round and by rounds a
+        ``stream`` or ``generate`` ran since the last ``step`` (none for a round that only ran
+        prompt chunks, or when nothing is queued). With ``overlap`` a decode round's tokens
+        are committed by the round after it, so they come with the next call."""
         with self._lock:
             self._round()
             events, self._outbox = self._outbox, []
             return events
 
     def _round(self) -> bool:
-        """One round, as a transaction; returns whether a step ran."""
+        """One round, as a transaction; returns whether a step ran or was committed.
+
+        With a run in flight (overlapped scheduling) the round first dispatches the run that
+        follows it, if one can start before its tokens are known (``_continuation``), then
+        commits it, and ends. Otherwise it admits, plans and dispatches; a ``DECODE`` run
+        stays in flight (``overlap``), anything else is committed at once."""
         with self._transaction():
             self._reap_orphans()
+            ran = False
+            if self._inflight is not None:
+                t_plan = time.perf_counter()
+                follow = self._continuation()
+                prev = self._inflight
+                nxt = None if follow is None else self._launch(follow[0], t_plan, follow[1:])
+                self._inflight = nxt
+                self._commit(prev)
+                self._flush_ops()
+                if nxt is not None:
+                    return True
+                ran = True
             while (adm := self.scheduler.admit_next()) is not None:
                 try:
                     row = self._admit_row(adm)
@@ -1085,10 +1172,54 @@ class Engine:
             t_plan = time.perf_counter()
             plan = self.scheduler.plan()
             if plan is None:
-                return False
-            self._run(plan, t_plan)
-            self._flush_ops()
+                return ran
+            run = self._launch(plan, t_plan)
+            if self.overlap and plan.mode == ForwardMode.DECODE:
+                self._inflight = run
+            else:
+                self._commit(run)
+                self._flush_ops()
             return True
+
+    def _continuation(self) -> tuple[StepPlan, list[int], list[int]] | None:
+        """The ``DECODE`` plan that can follow the run in flight before its tokens are known,
+        with, per work item, the column and the step of that run's tokens that feed it; None
+        when the round must commit that run first: no overlap, a run that is not a pure
+        decode, requests waiting that it may let in (a row is free, or one of its requests
+        reaches ``max_new_tokens`` inside it), a request with more stop ids than the device
+        checks (``STOP_BUCKETS``), or no request left to run. Each request keeps its
+        sampling and runs from ``computed`` + the steps it may take in flight
+        (``StepPlan.ahead``); one that finishes there by a stop token is padding on the
+        device (``_follow``) and skipped when this run is committed."""
+        run, sched = self._inflight, self.scheduler
+        plan = run.plan
+        if not self.overlap or plan.mode != ForwardMode.DECODE:
+            return None
+        work, ahead, cols, last = [], [], [], []
+        ends = False  # a request reaches max_new_tokens inside the run in flight
+        for j, ((r, _), k) in enumerate(zip(plan.work, run.limits or [1] * len(plan.work),
+                                            strict=True)):
+            if r.finished:  # aborted since the run was dispatched
+                continue
+            if len(r.output) + k >= r.max_new_tokens:
+                ends = True
+                continue
+            work.append((r, [0]))  # the token comes from the device
+            ahead.append(k)
+            cols.append(j)
+            last.append(k - 1)
+        if not work or (sched.waiting and (ends or sched.rows_held < sched.max_running_requests)):
+            return None
+        if max(len(r.stop_token_ids) for r, _ in work) > STOP_BUCKETS[-1]:
+            return None
+        inflight = {id(r) for r, _ in plan.work}
+        if any(id(r) not in inflight for r in sched.running):  # cannot happen: only a
+            return None                                          # round that waits admits
+        B = bucket(len(work), self.request_buckets, "requests in a step")
+        W = bucket(max(r.computed + a + 1 for (r, _), a in zip(work, ahead, strict=True)),
+                   self.kv_buckets, "context length")
+        return StepPlan(ForwardMode.DECODE, tuple(work), (B, B, W, 1), ahead=tuple(ahead)), \
+            cols, last
 
     def _packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
         """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
@@ -1109,36 +1240,44 @@ class Engine:
         when nothing could join before the run ends: no request waits, or none running can
         reach its ``max_new_tokens`` before the run's last step (the head of the queue waits
         for a row or token slots that only a finish frees). Each request runs at most its
-        tokens left and what the plan's attention-width bucket has room for."""
+        tokens left and what the plan's attention-width bucket has room for (counting the
+        tokens it runs ahead, in a run still in flight)."""
         N = self.decode_steps
         if N == 1 or self._sharded is not None or plan.mode != ForwardMode.DECODE:
             return None
-        left = [r.max_new_tokens - len(r.output) for r, _ in plan.work]
+        ahead = plan.ahead or (0,) * len(plan.work)
+        left = [r.max_new_tokens - len(r.output) - a
+                for (r, _), a in zip(plan.work, ahead, strict=True)]
         if self.scheduler.waiting and min(left) < N:
             return None
         if max(len(r.stop_token_ids) for r, _ in plan.work) > STOP_BUCKETS[-1]:
             return None
         W = plan.buckets[2]
-        limits = [min(N, k, W - r.computed) for (r, _), k in zip(plan.work, left, strict=True)]
+        limits = [min(N, k, W - r.computed - a)
+                  for (r, _), k, a in zip(plan.work, left, ahead, strict=True)]
         return limits if max(limits) > 1 else None
+
+    def _stop_ids(self, plan: StepPlan) -> np.ndarray:
+        """Each work item's stop ids ``[B, S]``, padded with -1 (``S`` from ``STOP_BUCKETS``)."""
+        S = bucket(max(1, *(len(r.stop_token_ids) for r, _ in plan.work)), STOP_BUCKETS,
+                   "stop token ids of a request")
+        stops = np.full((plan.buckets[0], S), -1, np.int32)
+        for i, (r, _) in enumerate(plan.work):
+            stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
+        return stops
 
     def _packed_decode(self, plan: StepPlan, limits: Sequence[int]) -> tuple[Any, tuple]:
         """The jitted multi-step decode and its arguments after the state: the DECODE batch,
-        each row's stop ids ``[B, S]`` (padded with -1, ``S`` from ``STOP_BUCKETS``) and its
-        step limit ``[B]`` (0 for padding rows)."""
+        each row's stop ids ``[B, S]`` (``_stop_ids``) and its step limit ``[B]`` (0 for
+        padding rows)."""
         B, T, W, Q = plan.buckets
         batch = make_worker_batch(plan.items(), vocab_size=self.config.vocab_size,
                                   max_context_len=self.max_context_len,
                                   forward_mode=ForwardMode.DECODE, num_requests=B,
                                   num_tokens=T, kv_width=W, max_extend_len=Q)
-        S = bucket(max(1, *(len(r.stop_token_ids) for r, _ in plan.work)), STOP_BUCKETS,
-                   "stop token ids of a request")
-        stops = np.full((B, S), -1, np.int32)
         lim = np.zeros(B, np.int32)
-        for i, (r, _) in enumerate(plan.work):
-            stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
-            lim[i] = limits[i]
-        return self._jit.decode(self.decode_steps), (batch, jnp.asarray(stops),
+        lim[: len(limits)] = limits
+        return self._jit.decode(self.decode_steps), (batch, jnp.asarray(self._stop_ids(plan)),
                                                      jnp.asarray(lim))
 
     def _decode_run_steps(self, plan: StepPlan, tokens: np.ndarray,
@@ -1161,66 +1300,101 @@ class Engine:
                                    f"{sorted(r.stop_token_ids)} or {limit} steps")
             runs.append(ran)
         steps = []
-        for i in range(max(map(len, runs))):
+        for i in range(max(map(len, runs), default=0)):
             idx = [j for j, ran in enumerate(runs) if i < len(ran)]
             steps.append((idx, [runs[j][i] for j in idx]))
         return steps
 
-    def _run(self, plan: StepPlan | ShardedPlan, t_plan: float) -> None:
-        """Run ``plan`` (planned from ``t_plan`` on) and commit its tokens: one step, or a
-        multi-step decode (``decode_steps``) whose tokens are committed step by step."""
+    def _launch(self, plan: StepPlan | ShardedPlan, t_plan: float,
+                follow: tuple[list[int], list[int]] | None = None) -> _Run:
+        """Pack and dispatch ``plan`` (planned from ``t_plan`` on): one step, or a multi-step
+        decode (``decode_steps``); returns the run, its outputs still on the device. With
+        ``follow`` (the columns and steps of ``_continuation``) its tokens come from the
+        run in flight's output."""
         limits = self._multi_step_limits(plan)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self._compilations()
-        t0 = time.perf_counter()
+        t_pack = time.perf_counter()
         if limits is None:
             fn, batch = self._packed(plan)
-            self.state, out = self._call(fn, self.params, self.state, batch)
-            t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
-            tokens = np.asarray(out.next_token_ids).tolist()  # [B], or [D][B] under a mesh
-            ok = out.ok
+            rest = ()
         else:
-            fn, args = self._packed_decode(plan, limits)
-            self.state, out, ok = self._call(fn, self.params, self.state, *args)
-            t_call = time.perf_counter()
-            tokens = np.asarray(out)  # [N, B]
-        if not np.all(ok):  # unreachable (the reservation); only the sinks were written
-            raise RuntimeError("token slots ran out inside a step despite the reservation")
+            fn, (batch, *rest) = self._packed_decode(plan, limits)
+        prev = self._inflight if follow is not None else None
+        if prev is not None:
+            cols, last = (np.zeros(plan.buckets[0], np.int32) for _ in range(2))
+            cols[: len(follow[0])], last[: len(follow[1])] = follow
+            stops = rest[0] if rest else jnp.asarray(self._stop_ids(plan))
+            batch = self._call(self._jit.follow, batch, prev.tokens, jnp.asarray(cols),
+                               jnp.asarray(last), stops)
+        if limits is None:
+            self.state, out = self._call(fn, self.params, self.state, batch)
+            tokens, ok = out.next_token_ids, out.ok
+        else:
+            self.state, tokens, ok = self._call(fn, self.params, self.state, batch, *rest)
+        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
+        # the device had nothing queued while this run was planned, unless the run before
+        # it was still computing when it was dispatched
+        busy = prev is not None and not prev.tokens.is_ready()
+        return _Run(plan, limits, tokens, ok, key, self._compilations() > traces, t_plan,
+                    t_pack, t_call, 0.0 if busy else t_call - t_plan)
+
+    def _commit(self, run: _Run) -> None:
+        """Wait for ``run``'s tokens and commit them: one step, or a multi-step decode whose
+        tokens are committed step by step. Requests that finished since it was dispatched
+        (aborted, or stopped in the run before it) are skipped."""
+        t_wait = time.perf_counter()
+        tokens = np.asarray(run.tokens)  # [B], [D][B] under a mesh, or [N, B]
+        # read, not reduced on the device: a reduction would queue behind the next run
+        ok = np.asarray(run.ok)
         now = time.perf_counter()
+        if not ok.all():  # unreachable (the reservation); only the sinks were written
+            raise RuntimeError("token slots ran out inside a step despite the reservation")
+        plan, limits = run.plan, run.limits
         # -- commit: plain Python from here on --
         sched = self.scheduler
+        if isinstance(plan, StepPlan) and any(r.finished for r, _ in plan.work):
+            keep = [j for j, (r, _) in enumerate(plan.work) if not r.finished]
+            plan = dataclasses.replace(plan, work=tuple(plan.work[j] for j in keep), ahead=())
+            tokens = tokens[..., keep]
+            limits = None if limits is None else [limits[j] for j in keep]
         if limits is None:
-            steps = [(plan, tokens)]
+            steps = [(plan, tokens.tolist())] if plan.work else []
         else:  # checked before anything is recorded
             reqs = [r for r, _ in plan.work]
             steps = self._decode_run_steps(plan, tokens, limits)
         s = self.stats
-        s.buckets.add(key)
+        s.buckets.add(run.key)
         s.steps += len(steps)
-        compiled = self._compilations() > traces
         prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
         if not prefill:
             s.decode_rounds += 1
-        if compiled:  # this call compiled
-            s.compiled_buckets.append(key)
-            s.bucket_compile_seconds[key] = now - t0
-            s.compile_seconds += now - t0
+        start = max(run.t_pack, self._last_ready)  # a run dispatched early starts at the last
+        self._last_ready = now
+        if run.compiled:  # this call compiled (the step, or the _follow of its bucket)
+            if run.key not in s.bucket_compile_seconds:
+                s.compiled_buckets.append(run.key)
+            s.bucket_compile_seconds[run.key] = (s.bucket_compile_seconds.get(run.key, 0.0)
+                                                 + now - start)
+            s.compile_seconds += now - start
         elif prefill:
             s.prefill_tokens += plan.prompt_tokens
-            s.prefill_seconds += now - t0
+            s.prefill_seconds += now - start
         else:
             s.decode_tokens += (plan.num_tokens if limits is None
                                 else sum(len(toks) for _, toks in steps))
-            s.decode_seconds += now - t0
+            s.decode_seconds += now - start
         first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
         events = []
         if limits is None:
-            events, _ = sched.commit(plan, tokens, self._read_slots)
+            if steps:
+                events, _ = sched.commit(plan, steps[0][1], self._read_slots)
         else:
             for idx, toks in steps:  # each step as it would have run alone
                 sub = StepPlan(ForwardMode.DECODE, tuple(
-                    (reqs[j], [reqs[j].tokens[reqs[j].computed]]) for j in idx), plan.buckets)
+                    (reqs[j], [reqs[j].token_at(reqs[j].computed)]) for j in idx),
+                    plan.buckets)
                 events += sched.commit(sub, toks, self._read_slots)[0]
         for r in first:
             s.requests += 1
@@ -1231,14 +1405,18 @@ class Engine:
             sched.snapshots_taken, sched.state_evictions, sched.token_evictions)
         for event in events:
             self._sinks.get(event[0], self._outbox).append(event)
-        if not compiled:
-            host = (t_call - t_plan) + (time.perf_counter() - now)
+        if not run.compiled:
+            done = time.perf_counter()
+            # the commit is hidden while the next run computes
+            hidden = self._inflight is not None and not self._inflight.tokens.is_ready()
+            host = (run.t_call - run.t_plan) + (done - now)
             if prefill:
                 s.prefill_host_seconds += host
-                s.prefill_wait_seconds += now - t_call
+                s.prefill_wait_seconds += now - t_wait
             else:
                 s.decode_host_seconds += host
-                s.decode_wait_seconds += now - t_call
+                s.decode_wait_seconds += now - t_wait
+                s.decode_exposed_seconds += run.exposed + (0.0 if hidden else done - now)
 
     def _admit_row(self, adm: Admission) -> int:
         """Allocate the admitted request's row on the device; with a cache hit the row also

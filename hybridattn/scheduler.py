@@ -253,7 +253,10 @@ class StepPlan:
     shape ``(B, T, W, Q)`` (requests, tokens, attention width, longest extend). With a prefix
     cache, ``restores[i]`` and ``snapshots[i]`` are work item ``i``'s snapshot to restore and
     ``(depth, slot)`` snapshots to take, and ``num_snapshots`` the bucket ``M`` of snapshot
-    entries (None without a cache, and in DECODE steps).
+    entries (None without a cache, and in DECODE steps). ``ahead[i]`` (overlapped
+    scheduling; empty: none) counts the tokens request ``i`` runs in a step still on the
+    device, which the host has not committed yet: this step runs it from position
+    ``computed + ahead[i]`` on, its token coming from that step's output.
 
     >>> plan = StepPlan(ForwardMode.DECODE, ((Request(0, [1], 2, row=1, computed=1), [7]),),
     ...                 (1, 1, 64, 1))
@@ -267,6 +270,7 @@ class StepPlan:
     restores: tuple[int, ...] = ()
     snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
     num_snapshots: int | tuple[int, int] | None = None
+    ahead: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -284,7 +288,8 @@ class StepPlan:
         for i, (r, toks) in enumerate(self.work):
             restore = self.restores[i] if self.restores else 0
             snaps = self.snapshots[i] if self.snapshots else ()
-            out.append(WorkItem(r.row, r.computed, toks, r.sampling, restore, snaps))
+            at = r.computed + (self.ahead[i] if self.ahead else 0)
+            out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps))
         return out
 
 

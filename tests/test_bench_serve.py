@@ -1,7 +1,7 @@
 """``bench serve``'s columns of where our step's time goes, on a 2-layer model: per-step host,
-wait and device medians, compile seconds per bucket, compile seconds against the layer count
-and the small-prefill ratio, in the JSON and in the table (the anchors and the long runs live
-in the bench itself)."""
+exposed host, wait and device medians, compile seconds per bucket, compile seconds against
+the layer count and the small-prefill ratio, in the JSON and in the table (the anchors and
+the long runs live in the bench itself)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     assert steps["prefill"]["steps"] == 1 and steps["decode"]["steps"] == 2
     for e in steps.values():
         assert all(e[k] > 0 for k in ("step_s", "host_s", "wait_s", "device_s"))
+        assert 0 <= e["exposed_s"] <= e["host_s"]
+    assert steps["prefill"]["exposed_s"] == steps["prefill"]["host_s"]  # never overlapped
     assert {(b["mode"], b["requests"], b["tokens"]) for b in ours["bucket_compile_s"]} == {
         ("extend", 2, 18), ("decode", 2, 2)}
     assert sum(b["s"] for b in ours["bucket_compile_s"]) == pytest.approx(ours["compile_s"])
@@ -44,7 +46,7 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     bench._print_serve_steps(dict(rows=[dict(batch_size=2, ours=ours)], small_prefill=small,
                                   compile_vs_layers=layers))
     out = capsys.readouterr().out
-    assert "host share" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
+    assert "exposed" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
     assert "costs 1/" in out and "target 1/25" in out
     assert "     2 |   1+1   |        2 |" in out and "scanned/unrolled" in out
 

@@ -156,7 +156,7 @@ def test_continuous_batching_equals_serving_alone():
             outs.setdefault(rid_of[rid], []).append(tok)
     assert waited  # the pool was too small for everything at once
 
-    alone = engine(decode_steps=1)  # the oracle steps once per round; eng runs up to 8
+    alone = engine(decode_steps=1, overlap=False)  # one step per round, each committed
     for i in range(n):
         rid = alone.add_request(prompts[i], int(news[i]), **sampling[i])
         got = []
@@ -217,6 +217,82 @@ def test_abort_inside_a_stream_drops_the_tokens_of_a_multi_step_run():
     assert_whole(eng)
 
 
+def _count_follows(eng: Engine) -> list:
+    """Record, on ``eng``, every round that dispatched a run before committing the one in
+    flight (``Engine._continuation`` found one)."""
+    found, real = [], eng._continuation
+
+    def spy():
+        plan = real()
+        if plan is not None:
+            found.append(plan)
+        return plan
+
+    eng._continuation = spy
+    return found
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_overlapped_scheduling_equals_the_synchronous_engine(decode_steps):
+    """Random arrivals, stop tokens the model samples inside runs, seeded sampling, the
+    prefix cache (the second pass hits it): the overlapped engine (the default) gives each
+    request the tokens of the synchronous one, and the pools and the cache end alike."""
+    rng = np.random.default_rng(31)
+    n = 16
+    system = prompts_of([24], seed=30)[0]  # a shared prefix, so the cache has hits
+    prompts = [system[: i % 3 * 12] + p for i, p in
+               enumerate(prompts_of(rng.integers(1, 30, n), seed=31))]
+    news = rng.integers(2, 12, n)
+    ran = engine(overlap=False).generate(prompts[:6], 10)
+    stops = np.argsort(np.bincount(sum(ran, []), minlength=CFG.vocab_size))[-3:].tolist()
+    kinds = [dict(), dict(temperature=0.8, seed=11), dict(stop_token_ids=stops),
+             dict(temperature=0.9, top_k=5, seed=2, stop_token_ids=stops[-1:])]
+
+    def serve(eng):
+        arrivals = np.random.default_rng(4)
+        rid_of, outs, k = {}, {}, 0
+        while k < n or eng.has_unfinished():
+            for _ in range(arrivals.integers(0, 3)):
+                if k < n:
+                    rid_of[eng.add_request(prompts[k], int(news[k]), **kinds[k % 4])] = k
+                    k += 1
+            for rid, tok, _ in eng.step():
+                outs.setdefault(rid_of[rid], []).append(tok)
+        return [outs.get(i, []) for i in range(n)]
+
+    sync, over = engine(decode_steps=decode_steps, overlap=False), engine(
+        decode_steps=decode_steps)
+    follows = _count_follows(over)
+    want = [serve(sync), serve(sync)]
+    assert [serve(over), serve(over)] == want
+    assert any(len(o) < news[i] for i, o in enumerate(want[0]))  # some stopped early
+    assert follows  # runs were dispatched before the tokens of the one in flight
+    assert over.stats.cached_tokens > 0 and sync.stats.cached_tokens > 0
+    assert over.num_cached_slots == sync.num_cached_slots
+    assert_whole(over)
+
+
+def test_abort_of_a_request_whose_run_is_in_flight():
+    """Aborting a request while a run computing its next token is on the device: no more of
+    its tokens arrive, the other request runs on as if alone, nothing leaks."""
+    eng = engine()
+    prompts = prompts_of([9, 14], seed=23)
+    rids = [eng.add_request(p, 12) for p in prompts]
+    got = {r: [] for r in rids}
+    while eng._inflight is None or len(got[rids[0]]) < 2:
+        for r, tok, _ in eng.step():
+            got[r].append(tok)
+    assert any(r is not None and r.rid == rids[0] for r, _ in eng._inflight.plan.work)
+    assert eng.abort(rids[0])
+    cut = len(got[rids[0]])
+    while eng.has_unfinished():
+        for r, tok, _ in eng.step():
+            got[r].append(tok)
+    assert len(got[rids[0]]) == cut < 12
+    assert got[rids[1]] == engine(overlap=False).generate(prompts[1:], 12)[0]
+    assert_whole(eng)
+
+
 def test_compilations_bounded_over_200_steps():
     rng = np.random.default_rng(5)
     eng = engine(chunked_prefill_size=24)
@@ -232,9 +308,11 @@ def test_compilations_bounded_over_200_steps():
     compiled = eng.stats.compiled_buckets
     assert len(compiled) == len(set(compiled)) and set(compiled) <= eng.stats.buckets
     # ... plus, once each, the row admission and prefix borrowing (per kv bucket: one here),
-    # the release, and the frees of evicted slots (one per power of 2 of slots freed)
+    # the release, the frees of evicted slots (one per power of 2 of slots freed) and the
+    # overlapped decode's _follow (per decode bucket)
     helpers = eng.stats.num_compilations - len(compiled)
-    assert 0 < helpers <= 3 * len(eng.kv_buckets) + eng.capacity.bit_length() + 1
+    decode = sum(key[0] == ForwardMode.DECODE for key in eng.stats.buckets)
+    assert 0 < helpers <= 3 * len(eng.kv_buckets) + eng.capacity.bit_length() + 1 + decode
     # compilations are reused within the engine: a workload it has served compiles nothing
     prompts = prompts_of([30, 5, 17], seed=1)
     eng.generate(prompts, 3)
