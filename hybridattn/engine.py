@@ -624,7 +624,8 @@ class Engine:
             each bucket compiles one period of layers instead of all of them. The engine
             then holds the stacked copy of ``params`` (under a ``mesh``, placed by
             ``sharding.stacked_param_specs``). No effect on a model whose layers do not
-            repeat.
+            repeat. On one device the engine's copy is also in
+            ``kimi_linear.serving_layout`` (routed down projections input-major).
         mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
             own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
@@ -786,6 +787,8 @@ class Engine:
         self.overlap = overlap and mesh is None
         if scan_layers:
             params = kimi_linear.stack_layers(params, config)
+        if mesh is None:  # (sharding.PARAM_RULES name the checkpoint's leaves)
+            params = kimi_linear.serving_layout(params)
         self.config, self.params = config, params
         self.chunked_prefill_size = chunked_prefill_size
         geometry = dict(max_context_len=max_context_len, dtype=dtype, chunk_size=chunk_size,

@@ -118,6 +118,21 @@ def test_round_trip_single_file_and_sharded(tmp_path, small_params):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
 
 
+def test_an_engines_serving_layout_saves_the_checkpoint_it_was_built_from(tmp_path,
+                                                                           small_params):
+    """``save_pretrained`` of stacked, serving-laid-out params (what ``Engine`` holds) writes
+    the same tensors as the checkpoint layout, and ``check_params`` accepts them."""
+    cfg, params = SMALL, small_params
+    served = M.serving_layout(M.stack_layers(params, cfg))
+    M.check_params(served, cfg)
+    flat, want = M.to_checkpoint(served), M.to_checkpoint(params)
+    assert set(flat) == set(want)
+    assert all(np.array_equal(flat[k], want[k]) for k in want)
+    M.save_pretrained(served, cfg, tmp_path)
+    _, got = M.load(tmp_path)
+    assert _tree_equal(got, params)
+
+
 def test_tied_embeddings_round_trip(tmp_path):
     cfg = KimiLinearConfig.tiny(tie_word_embeddings=True, num_experts=0)
     params = M.init_params(cfg, jax.random.key(2))

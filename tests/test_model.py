@@ -49,11 +49,17 @@ _CFG = KimiLinearConfig.tiny(num_hidden_layers=8, num_experts=8, num_experts_per
                              num_expert_group=2, topk_group=1)
 
 
-def test_serving_forward_equals_mlx_lm_kimi_linear():
+@pytest.mark.parametrize("layout", ["checkpoint", "serving"])
+def test_serving_forward_equals_mlx_lm_kimi_linear(layout):
+    """In the checkpoint's layout and in ``serving_layout`` (the engine's: routed down
+    projections input-major), against mlx-lm reading the checkpoint."""
     cfg = _CFG
     assert cfg.full_attention_layer_ids == (3, 7) and cfg.is_moe_layer(1)
     params = M.init_params(cfg, jax.random.key(7))
     ref_model = mlx_model(cfg, params)
+    if layout == "serving":
+        params = M.serving_layout(params)
+        assert "w2_t" in params["model"]["layers"][1]["block_sparse_moe"]["experts"]
     rng = np.random.default_rng(0)
     a = rng.integers(1, cfg.vocab_size, 23).tolist()
     b = rng.integers(1, cfg.vocab_size, 11).tolist()
@@ -88,10 +94,16 @@ def test_moe_paths_agree(monkeypatch, n_tokens):
     """The gathered (N * top_k <= E), dense and blocked (CPU, few / many tokens) and grouped
     ragged_dot (GPU / TPU) forms of the routed experts give the same sum."""
     cfg = _CFG
-    p = M.init_params(cfg, jax.random.key(3))["model"]["layers"][1]["block_sparse_moe"]
+    params = M.init_params(cfg, jax.random.key(3))
+    p = params["model"]["layers"][1]["block_sparse_moe"]
+    served = M.serving_layout(params)["model"]["layers"][1]["block_sparse_moe"]
     x = jax.random.normal(jax.random.key(4), (n_tokens, cfg.hidden_size))
     got = M.sparse_moe(p, cfg, x)
+    # the same path with the down projections input-major (serving_layout)
+    np.testing.assert_allclose(np.asarray(M.sparse_moe(served, cfg, x)), np.asarray(got),
+                               atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(M.jax, "default_backend", lambda: "gpu")
     big = jnp.concatenate([x] * 8)  # enough tokens for the grouped form
-    grouped = M.sparse_moe(p, cfg, big)[:n_tokens]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(grouped), atol=1e-5, rtol=1e-5)
+    for q in (p, served):
+        grouped = M.sparse_moe(q, cfg, big)[:n_tokens]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(grouped), atol=1e-5, rtol=1e-5)
