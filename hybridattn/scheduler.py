@@ -586,6 +586,14 @@ class Scheduler:
         once the whole prompt is in), and the row borrows them from then on (a device op
         frees the row's duplicates)."""
         tree, n = self.tree, r.computed
+        if n < r.borrowed:
+            # A chunk that ended inside the KV the row borrows (recomputed from a shallower
+            # snapshot, e.g. after the deeper states were evicted): those tokens are in the
+            # tree already and the row keeps borrowing (and locking) all of them; only the
+            # states it took are new. Shrinking the borrow here would hand the tree's slots
+            # past n to the row, which would free them at its release.
+            self._add_taken_states(r)
+            return
         tokens = r.prompt[:n]
         tree.insert(tokens, list(read_slots(r, n)))
         m = tree.match_prefix(tokens)
@@ -593,16 +601,20 @@ class Scheduler:
         tree.unlock(r.node)
         r.node, r.prompt_slots = m.node, list(m.slots)
         r.inserted = not r.prefilling
-        for d, s in sorted(r.taken.items()):
-            if tree.add_state(r.prompt[:d], s):
-                self.snapshots_taken += 1
-            else:  # a concurrent request put a state there first
-                self.snapshot_slots.give([s])
-        r.taken = {}
+        self._add_taken_states(r)
         self.device_ops.append(Borrow(r, tuple(r.prompt_slots)))
         self.reserved -= n - r.borrowed
         r.owned -= n - r.borrowed
         r.borrowed = n
+
+    def _add_taken_states(self, r: Request) -> None:
+        """The snapshots ``r`` took go into the tree, at depths its prompt path reaches."""
+        for d, s in sorted(r.taken.items()):
+            if self.tree.add_state(r.prompt[:d], s):
+                self.snapshots_taken += 1
+            else:  # a concurrent request put a state there first
+                self.snapshot_slots.give([s])
+        r.taken = {}
 
     def _insert_answer(self, r: Request, read_slots) -> None:
         """A finished request: prompt and the answer tokens that ran go into the tree, the row

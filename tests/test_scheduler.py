@@ -183,6 +183,24 @@ class CachedSchedulerAgainstRefPools(SchedulerAgainstRefPools):
     cache = True
 
 
+def test_a_chunk_that_ends_inside_the_borrowed_kv_keeps_the_borrow():
+    """The state machine's find, replayed: request 16 borrows its whole 6-token prompt's KV
+    but no state (those were evicted), recomputes from token 0 and snapshots at token 5,
+    inside what it borrows. Inserting that chunk shrank the borrow to 5, so the row owned
+    (and its release freed) a slot the tree still served, and the cache and reservations
+    outgrew the pool."""
+    m = CachedSchedulerAgainstRefPools()
+    for new, system, tail in [
+            (4, None, []), (1, 1, []), (1, None, []), (1, None, []), (1, None, []),
+            (1, None, [0] * 9), (1, None, []), (1, None, []), (3, 0, [5, 0, 0, 0, 0]),
+            (1, 1, [0, 0]), (5, 0, []), (1, None, [0] * 5), (4, 0, [0, 0, 0]),
+            (2, 1, [0] * 9), (1, 0, []), (5, None, [1, 0]), (4, 1, []), (4, None, [0] * 5),
+            (1, None, [])]:
+        m.add(system=system, tail=tail, new=new, stop=None)
+        m.agrees_with_the_reference_pools()
+    m.teardown()  # rounds of token 0 to the end, the invariants checked after each
+
+
 TestSchedulerAgainstRefPools = SchedulerAgainstRefPools.TestCase
 TestSchedulerAgainstRefPools.settings = settings(stateful_step_count=40, deadline=None)
 TestCachedSchedulerAgainstRefPools = CachedSchedulerAgainstRefPools.TestCase
