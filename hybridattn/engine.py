@@ -115,8 +115,10 @@ def _step_tokens(params, state: ServingState, batch):
 
 def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, *,
                    num_steps: int):
-    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count)."""
-    return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens)
+    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count),
+    returning the token slots it wrote too."""
+    return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens,
+                        return_slots=True)
 
 
 def _follow(batch, prev_tokens, cols, last, stop_token_ids):
@@ -509,6 +511,7 @@ class _Run:
     limits: list[int] | None
     tokens: Any
     ok: Any
+    slots: Any  # the token slots the run wrote (StepOutput.token_slots; None under a mesh)
     key: tuple
     compiled: bool
     t_plan: float
@@ -1333,15 +1336,16 @@ class Engine:
                                jnp.asarray(last), stops)
         if limits is None:
             self.state, out = self._call(fn, self.params, self.state, batch)
-            tokens, ok = out.next_token_ids, out.ok
+            tokens, ok, slots = out.next_token_ids, out.ok, out.token_slots
         else:
-            self.state, tokens, ok = self._call(fn, self.params, self.state, batch, *rest)
+            self.state, tokens, ok, slots = self._call(fn, self.params, self.state, batch,
+                                                       *rest)
         t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
         # the device had nothing queued while this run was planned, unless the run before
         # it was still computing when it was dispatched
         busy = prev is not None and not prev.tokens.is_ready()
-        return _Run(plan, limits, tokens, ok, key, self._compilations() > traces, t_plan,
-                    t_pack, t_call, 0.0 if busy else t_call - t_plan)
+        return _Run(plan, limits, tokens, ok, slots, key, self._compilations() > traces,
+                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan)
 
     def _commit(self, run: _Run) -> None:
         """Wait for ``run``'s tokens and commit them: one step, or a multi-step decode whose
@@ -1355,8 +1359,10 @@ class Engine:
         if not ok.all():  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
         plan, limits = run.plan, run.limits
-        # -- commit: plain Python from here on --
         sched = self.scheduler
+        if sched.tree is not None:  # the slots the prefix cache will read
+            self._record_slots(run, tokens, np.asarray(run.slots))
+        # -- commit: plain Python from here on --
         if isinstance(plan, StepPlan) and any(r.finished for r, _ in plan.work):
             keep = [j for j, (r, _) in enumerate(plan.work) if not r.finished]
             plan = dataclasses.replace(plan, work=tuple(plan.work[j] for j in keep), ahead=())
@@ -1421,6 +1427,28 @@ class Engine:
                 s.decode_wait_seconds += now - t_wait
                 s.decode_exposed_seconds += run.exposed + (0.0 if hidden else done - now)
 
+    @staticmethod
+    def _record_slots(run: _Run, tokens: np.ndarray, slots: np.ndarray) -> None:
+        """Extend each request's ``row_slots`` by the token slots ``run`` wrote for it (one
+        step: ``slots [T]``, its tokens packed in work order; a multi-step decode: ``[N, B]``,
+        the steps each row ran). A position below what a row borrows keeps the borrowed slot
+        (the step wrote the recomputed token to the sink), as ``req_to_token`` does."""
+        for j, (r, toks) in enumerate(run.plan.work):
+            if r.finished:  # aborted, or stopped in the run before: it ran nothing here
+                continue
+            if run.limits is None:
+                start = sum(len(t) for _, t in run.plan.work[:j])
+                new = slots[start: start + len(toks)].tolist()
+            else:
+                new = slots[: int(np.sum(tokens[:, j] >= 0)), j].tolist()
+            have = r.row_slots
+            skip = len(have) - r.computed  # positions from computed on already held
+            if skip < 0:  # cannot happen: admission records what the row borrows
+                raise RuntimeError(f"request {r.rid}: the host holds {len(have)} of its row's "
+                                   f"token slots but {r.computed} positions ran")
+            if skip < len(new):
+                have.extend(new[max(skip, 0):])
+
     def _admit_row(self, adm: Admission) -> int:
         """Allocate the admitted request's row on the device; with a cache hit the row also
         borrows the matched KV and records the restored depth. Returns the row."""
@@ -1441,6 +1469,7 @@ class Engine:
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
             raise RuntimeError("request-row allocation failed with rows counted free")
+        adm.req.row_slots = list(adm.slots)
         return int(rows[0])
 
     def _flush_ops(self) -> None:
@@ -1466,6 +1495,7 @@ class Engine:
                                         jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
+                op.req.row_slots[: len(op.slots)] = op.slots
             elif isinstance(op, Release):
                 self.state = self._release_rows(op.reqs)
             sched.op_done(op)
@@ -1502,9 +1532,13 @@ class Engine:
                           keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
-        """The token slots of the first ``n`` positions of ``req``'s row (a device read)."""
-        # the whole row, sliced on the host: one device read of one shape whatever n is
-        return np.asarray(self.state.req_to_token_pool.req_to_token[req.row])[:n].tolist()
+        """The token slots of the first ``n`` positions of ``req``'s row, from the host's copy
+        (``Request.row_slots``: what admission borrowed, each step's ``token_slots``, each
+        ``Borrow``). Never a device read: with a run in flight a read would wait for it."""
+        if len(req.row_slots) < n:  # cannot happen: every step's slots are recorded
+            raise RuntimeError(f"request {req.rid}: the host holds {len(req.row_slots)} of "
+                               f"its row's token slots, {n} are needed")
+        return req.row_slots[:n]
 
     # ---------------------------------------------------------------------------------------
     # convenience

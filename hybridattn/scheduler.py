@@ -127,7 +127,9 @@ class Request:
     (``max_new_tokens``) or ``"abort"`` once it has finished. With a prefix cache:
     ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
     restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
-    ``owned`` is its reservation of token slots.
+    ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
+    first positions as the engine wrote them (``read_slots`` serves them without a device
+    read).
 
     >>> r = Request(rid=3, prompt=[1, 2], max_new_tokens=4)
     >>> r.need, r.finished, r.tokens
@@ -156,6 +158,7 @@ class Request:
     prompt_slots: list = dataclasses.field(default_factory=list)
     keep_from: int | None = None
     end_depth: int = 0  # tokens that ran, once finished and inserted
+    row_slots: list = dataclasses.field(default_factory=list)  # the row's slots, host copy
     owned: int = 0
     shard: int = 0  # the data shard it runs on (``ShardedScheduler``; 0 on one device)
 

@@ -450,9 +450,12 @@ def make_worker_batch(
 
 class StepOutput(NamedTuple):
     """What a step returns besides the new state: per request the sampled next token and the
-    last new token's logits (float32), and ``ok``. ``ok`` False: the token slots ran out or the
-    batch did not fit its buckets / named a free row; every request ran as padding, so only
-    the slot-0 sinks changed, the tokens are 0 and the logits meaningless.
+    last new token's logits (float32), and ``ok``; per token of the batch the token slot its
+    KV went to (``token_slots``, 0 for padding and for positions below a borrowed prefix,
+    whose slots stay the borrowed ones), so a host can follow each row's slots without reading
+    ``req_to_token`` back. ``ok`` False: the token slots ran out or the batch did not fit its
+    buckets / named a free row; every request ran as padding, so only the slot-0 sinks
+    changed, the tokens and slots are 0 and the logits meaningless.
 
     Its shapes, from ``jax.eval_shape`` (traces the step, computes and compiles nothing):
 
@@ -465,11 +468,14 @@ class StepOutput(NamedTuple):
     >>> _, out = jax.eval_shape(step, kimi_linear.param_shapes(cfg), state, batch)
     >>> out.next_token_ids.shape, out.logits.shape, out.ok.shape  # [B], [B, V], []
     ((2,), (2, 64), ())
+    >>> out.token_slots.shape  # [T]
+    (5,)
     """
 
     next_token_ids: Int[Array, " B"]
     logits: Float[Array, "B V"]
     ok: Bool[Array, ""]
+    token_slots: Int[Array, " T"] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -735,7 +741,7 @@ def step(
         recurrent_state_pool=fb.recurrent_state_pool,
         snapshot_pool=fb.snapshot_pool,
     )
-    return new, StepOutput(tokens, logits, ok)
+    return new, StepOutput(tokens, logits, ok, slots)
 
 
 def _padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWorkerBatch:
@@ -757,13 +763,17 @@ def decode_steps(
     num_steps: int,
     stop_token_ids: Int[Array, "B S"] | None = None,
     max_tokens: Int[Array, " B"] | None = None,
-) -> tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]:
+    return_slots: bool = False,
+) -> (tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]
+      | tuple[ServingState, Int[Array, "N B"], Bool[Array, ""], Int[Array, "N B"]]):
     """Up to ``num_steps`` greedy-or-sampled decode steps in one ``lax.while_loop``,
     starting from a DECODE ``batch`` whose ``input_ids`` are each request's next token and
     whose ``kv_width`` has room for the tokens each request may run. Returns ``(state,
     tokens [num_steps, B], ok)``: ``tokens[i, b]`` is what row ``b`` sampled at step ``i``,
     or -1 where the row ran no step ``i`` (padding, a finished row, a failed step); ``ok``
-    is False if a step ran out of slots (that step and the later ones changed nothing).
+    is False if a step ran out of slots (that step and the later ones changed nothing). With
+    ``return_slots``, also ``slots [num_steps, B]``: the token slot each step wrote row
+    ``b``'s token to (0 where it ran none), as ``StepOutput.token_slots``.
 
     A request finishes inside the run when it samples one of its ``stop_token_ids[b]``
     (padded with -1; default: none) or has run ``max_tokens[b]`` steps (default:
@@ -808,29 +818,31 @@ def decode_steps(
         raise ValueError(f"max_tokens has shape {limits.shape}, expected [B={B}]")
     alive = (batch.req_pool_indices > 0) & (batch.extend_seq_lens > 0) & (limits > 0)
     tokens = jnp.full((num_steps, B), -1, jnp.int32)
+    slots = jnp.zeros((num_steps, B), jnp.int32)
 
     def cond(carry):
-        i, _, _, alive, _, _, _ = carry
+        i, _, _, alive, _, _, _, _ = carry
         return (i < num_steps) & jnp.any(alive)
 
     def body(carry):
-        i, state, batch, alive, ran, ok, tokens = carry
+        i, state, batch, alive, ran, ok, tokens, slots = carry
         state, out = step(params, state, batch)
         ok &= out.ok
         stepped = alive & out.ok  # a failed step ran every row as padding
         tok = out.next_token_ids
         tokens = tokens.at[i].set(jnp.where(stepped, tok, -1))
+        slots = slots.at[i].set(jnp.where(stepped, out.token_slots, 0))
         ran += stepped
         hit = jnp.any(tok[:, None] == stop_token_ids, axis=1)
         alive = stepped & ~hit & (ran < limits)
         # finished rows run as padding from here on (next_decode keeps padding as padding)
         batch = _padding_unless(batch.next_decode(tok), alive)
-        return i + 1, state, batch, alive, ran, ok, tokens
+        return i + 1, state, batch, alive, ran, ok, tokens, slots
 
     carry = (jnp.int32(0), state, _padding_unless(batch, alive), alive,
-             jnp.zeros(B, jnp.int32), jnp.bool_(True), tokens)
-    _, state, _, _, _, ok, tokens = jax.lax.while_loop(cond, body, carry)
-    return state, tokens, ok
+             jnp.zeros(B, jnp.int32), jnp.bool_(True), tokens, slots)
+    _, state, _, _, _, ok, tokens, slots = jax.lax.while_loop(cond, body, carry)
+    return (state, tokens, ok, slots) if return_slots else (state, tokens, ok)
 
 
 def release(

@@ -258,6 +258,10 @@ def test_overlapped_scheduling_equals_the_synchronous_engine(decode_steps):
                     k += 1
             for rid, tok, _ in eng.step():
                 outs.setdefault(rid_of[rid], []).append(tok)
+            # the host's copy of each row's token slots, which the prefix cache reads
+            table = np.asarray(eng.state.req_to_token_pool.req_to_token)
+            for r in eng.scheduler.running:
+                assert r.row_slots == table[r.row, : len(r.row_slots)].tolist()
         return [outs.get(i, []) for i in range(n)]
 
     sync, over = engine(decode_steps=decode_steps, overlap=False), engine(
