@@ -53,7 +53,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -122,17 +122,37 @@ def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_token
 
 
 def _follow(batch, prev_tokens, cols, last, stop_token_ids):
-    """The DECODE ``batch`` of a run dispatched while the run before it is still on the
-    device (overlapped scheduling), its tokens taken from that run's output: row ``b`` feeds
-    ``prev_tokens[last[b], cols[b]]``, the last token its request sampled there
-    (``prev_tokens`` is a multi-step run's ``[N, B']`` or a single step's ``[B']``). A row
-    whose token is -1 or one of its ``stop_token_ids`` finished inside that run and becomes
-    padding: no token slot, nothing written."""
+    """The batch of a run dispatched while the run before it is still on the device
+    (overlapped scheduling), with the tokens that run sampled: row ``b`` with ``cols[b] >= 0``
+    feeds ``prev_tokens[last[b], cols[b]]``, the last token its request sampled there
+    (``prev_tokens`` is a multi-step run's ``[N, B']`` or a single step's ``[B']``); the other
+    rows keep theirs (prompt chunks, padding). A fed row whose token is -1 or one of its
+    ``stop_token_ids`` finished inside that run and becomes padding: no token slot, nothing
+    written; in an ``EXTEND`` batch the tokens after it move up one place, as if it had not
+    been planned (its row index, and so any snapshot entry of another row, stays)."""
     prev = prev_tokens.reshape(-1, prev_tokens.shape[-1])
-    tok = prev[last, cols]
-    keep = ((batch.req_pool_indices > 0) & (tok >= 0)
-            & ~jnp.any(tok[:, None] == stop_token_ids, axis=1))
-    return _padding_unless(batch.replace(input_ids=jnp.where(keep, tok, 0)), keep)
+    fed = cols >= 0
+    tok = prev[last, jnp.maximum(cols, 0)]
+    dead = fed & ((tok < 0) | jnp.any(tok[:, None] == stop_token_ids, axis=1))
+    keep = (batch.req_pool_indices > 0) & ~dead
+    if batch.forward_mode == ForwardMode.DECODE:  # one token per row, at the row's index
+        ids = jnp.where(fed, tok, batch.input_ids)
+        return _padding_unless(batch.replace(input_ids=ids), keep)
+    ext = batch.extend_seq_lens
+    T = batch.input_ids.shape[0]
+    start = jnp.cumsum(ext) - ext  # each row's first token
+    ids = batch.input_ids.at[jnp.where(fed, start, T)].set(tok, mode="drop")
+    new_ext = jnp.where(keep, ext, 0)
+    end = jnp.cumsum(new_ext)
+    t = jnp.arange(T)
+    row = jnp.minimum(jnp.searchsorted(end, t, side="right"), ext.shape[0] - 1)
+    src = start[row] + t - (end - new_ext)[row]
+    ids = jnp.where(t < end[-1], ids[jnp.clip(src, 0, T - 1)], 0)
+    zero = jnp.zeros_like(batch.req_pool_indices)
+    return batch.replace(input_ids=ids.astype(jnp.int32),
+                         req_pool_indices=jnp.where(keep, batch.req_pool_indices, zero),
+                         seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
+                         extend_seq_lens=new_ext.astype(jnp.int32))
 
 
 STOP_BUCKETS = (4, 16, 64)
@@ -499,6 +519,19 @@ class EngineStats(ServingStats):
     decode_exposed_seconds: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Follow:
+    """How a step dispatched before the run in flight is committed takes that run's output:
+    per work item the column and the step of the run's tokens that feed it (-1: none, its
+    token is the host's), the requests so fed, and the tokens each request samples in the
+    run in flight (for ``_multi_step_limits``)."""
+
+    cols: tuple[int, ...]
+    last: tuple[int, ...]
+    fed: tuple[Request, ...]
+    samples: dict
+
+
 @dataclasses.dataclass
 class _Run:
     """A step (or multi-step decode) on the device whose tokens the host has not committed:
@@ -518,6 +551,7 @@ class _Run:
     t_pack: float
     t_call: float
     exposed: float
+    fed: tuple = ()  # requests whose token came from the run before it (_Follow.fed)
 
 
 class Engine:
@@ -1149,10 +1183,10 @@ class Engine:
     def _round(self) -> bool:
         """One round, as a transaction; returns whether a step ran or was committed.
 
-        With a run in flight (overlapped scheduling) the round first dispatches the run that
-        follows it, if one can start before its tokens are known (``_continuation``), then
-        commits it, and ends. Otherwise it admits, plans and dispatches; a ``DECODE`` run
-        stays in flight (``overlap``), anything else is committed at once."""
+        With a run in flight (overlapped scheduling) the round first admits what fits now
+        and dispatches the step that follows that run (``_continuation``), then commits the
+        run, and ends. Otherwise (nothing in flight, or nothing to follow it) it commits, then
+        admits, plans and dispatches; with ``overlap`` the step stays in flight."""
         with self._transaction():
             self._reap_orphans()
             ran = False
@@ -1160,72 +1194,74 @@ class Engine:
                 t_plan = time.perf_counter()
                 follow = self._continuation()
                 prev = self._inflight
-                nxt = None if follow is None else self._launch(follow[0], t_plan, follow[1:])
+                nxt = None if follow is None else self._launch(follow[0], t_plan, follow[1])
                 self._inflight = nxt
                 self._commit(prev)
                 self._flush_ops()
                 if nxt is not None:
                     return True
                 ran = True
-            while (adm := self.scheduler.admit_next()) is not None:
-                try:
-                    row = self._admit_row(adm)
-                except BaseException:
-                    self.scheduler.cancel(adm)
-                    raise
-                self.scheduler.admitted(adm, row)
-            self._flush_ops()  # frees of what admission evicted, before the step allocates
+            self._admit()
             t_plan = time.perf_counter()
             plan = self.scheduler.plan()
             if plan is None:
                 return ran
             run = self._launch(plan, t_plan)
-            if self.overlap and plan.mode == ForwardMode.DECODE:
+            if self.overlap:
                 self._inflight = run
             else:
                 self._commit(run)
                 self._flush_ops()
             return True
 
-    def _continuation(self) -> tuple[StepPlan, list[int], list[int]] | None:
-        """The ``DECODE`` plan that can follow the run in flight before its tokens are known,
-        with, per work item, the column and the step of that run's tokens that feed it; None
-        when the round must commit that run first: no overlap, a run that is not a pure
-        decode, requests waiting that it may let in (a row is free, or one of its requests
-        reaches ``max_new_tokens`` inside it), a request with more stop ids than the device
-        checks (``STOP_BUCKETS``), or no request left to run. Each request keeps its
-        sampling and runs from ``computed`` + the steps it may take in flight
-        (``StepPlan.ahead``); one that finishes there by a stop token is padding on the
-        device (``_follow``) and skipped when this run is committed."""
+    def _admit(self) -> None:
+        """Admit waiting requests while rows and token slots allow (FIFO), then carry out
+        the device ops admission queued (frees of what it evicted) before a step allocates."""
+        while (adm := self.scheduler.admit_next()) is not None:
+            try:
+                row = self._admit_row(adm)
+            except BaseException:
+                self.scheduler.cancel(adm)
+                raise
+            self.scheduler.admitted(adm, row)
+        self._flush_ops()
+
+    def _continuation(self) -> tuple[StepPlan, _Follow] | None:
+        """The step that can follow the run in flight before its tokens are known, and how
+        that run's output feeds it; None when there is nothing to run without them.
+
+        Requests waiting are admitted first, into the rows and token slots free now (those
+        that the run in flight frees come with the next round). Each running request is
+        planned from ``computed`` + the tokens it runs in flight (``Scheduler.plan(ahead)``):
+        its prompt's next chunk, or one decode token that, when the run in flight samples
+        it, comes from that run's output on the device (``_follow``). A request that reaches
+        ``max_new_tokens`` in flight is left out; one that samples a stop token there is
+        padding on the device and skipped at this step's commit."""
         run, sched = self._inflight, self.scheduler
         plan = run.plan
-        if not self.overlap or plan.mode != ForwardMode.DECODE:
+        if not self.overlap:
             return None
-        work, ahead, cols, last = [], [], [], []
-        ends = False  # a request reaches max_new_tokens inside the run in flight
-        for j, ((r, _), k) in enumerate(zip(plan.work, run.limits or [1] * len(plan.work),
-                                            strict=True)):
+        ahead, samples, fed, leaving = {}, {}, {}, []
+        for j, (r, toks) in enumerate(plan.work):
             if r.finished:  # aborted since the run was dispatched
                 continue
-            if len(r.output) + k >= r.max_new_tokens:
-                ends = True
+            k = run.limits[j] if run.limits is not None else len(toks)
+            ahead[r] = k
+            if r.computed + k < len(r.prompt):  # still prefilling after it: no token kept
                 continue
-            work.append((r, [0]))  # the token comes from the device
-            ahead.append(k)
-            cols.append(j)
-            last.append(k - 1)
-        if not work or (sched.waiting and (ends or sched.rows_held < sched.max_running_requests)):
+            samples[r] = k if r.computed >= len(r.prompt) else 1  # tokens it samples there
+            fed[r] = (j, k - 1 if run.limits is not None else 0)
+            if len(r.output) + samples[r] >= r.max_new_tokens:
+                leaving.append(r)
+        self._admit()
+        nxt = sched.plan(ahead, leaving)
+        if nxt is None:
             return None
-        if max(len(r.stop_token_ids) for r, _ in work) > STOP_BUCKETS[-1]:
-            return None
-        inflight = {id(r) for r, _ in plan.work}
-        if any(id(r) not in inflight for r in sched.running):  # cannot happen: only a
-            return None                                          # round that waits admits
-        B = bucket(len(work), self.request_buckets, "requests in a step")
-        W = bucket(max(r.computed + a + 1 for (r, _), a in zip(work, ahead, strict=True)),
-                   self.kv_buckets, "context length")
-        return StepPlan(ForwardMode.DECODE, tuple(work), (B, B, W, 1), ahead=tuple(ahead)), \
-            cols, last
+        rows = [r for r, _ in nxt.work if r in fed]
+        if rows and max(len(r.stop_token_ids) for r in rows) > STOP_BUCKETS[-1]:
+            return None  # more stop ids than the device checks: wait for the tokens
+        cols, last = zip(*(fed.get(r, (-1, 0)) for r, _ in nxt.work), strict=True)
+        return nxt, _Follow(cols, last, tuple(rows), samples)
 
     def _packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
         """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
@@ -1240,20 +1276,22 @@ class Engine:
         # one work list per data shard, one step for all of them
         return self._sharded, self._sharded.make_batch(plan.items(), **shape)
 
-    def _multi_step_limits(self, plan: StepPlan | ShardedPlan) -> list[int] | None:
+    def _multi_step_limits(self, plan: StepPlan | ShardedPlan,
+                           samples: dict | None = None) -> list[int] | None:
         """The steps each request of ``plan`` may run in one multi-step decode dispatch
         (None: this round runs one step). Only a pure ``DECODE`` plan on one device, and only
         when nothing could join before the run ends: no request waits, or none running can
         reach its ``max_new_tokens`` before the run's last step (the head of the queue waits
         for a row or token slots that only a finish frees). Each request runs at most its
-        tokens left and what the plan's attention-width bucket has room for (counting the
-        tokens it runs ahead, in a run still in flight)."""
+        tokens left and what the plan's attention-width bucket has room for, counting, for a
+        plan that follows a run in flight, the tokens it runs there (``plan.ahead``) and
+        samples there (``samples``)."""
         N = self.decode_steps
         if N == 1 or self._sharded is not None or plan.mode != ForwardMode.DECODE:
             return None
         ahead = plan.ahead or (0,) * len(plan.work)
-        left = [r.max_new_tokens - len(r.output) - a
-                for (r, _), a in zip(plan.work, ahead, strict=True)]
+        samples = samples or {}
+        left = [r.max_new_tokens - len(r.output) - samples.get(r, 0) for r, _ in plan.work]
         if self.scheduler.waiting and min(left) < N:
             return None
         if max(len(r.stop_token_ids) for r, _ in plan.work) > STOP_BUCKETS[-1]:
@@ -1263,12 +1301,14 @@ class Engine:
                   for (r, _), k, a in zip(plan.work, left, ahead, strict=True)]
         return limits if max(limits) > 1 else None
 
-    def _stop_ids(self, plan: StepPlan) -> np.ndarray:
-        """Each work item's stop ids ``[B, S]``, padded with -1 (``S`` from ``STOP_BUCKETS``)."""
-        S = bucket(max(1, *(len(r.stop_token_ids) for r, _ in plan.work)), STOP_BUCKETS,
+    def _stop_ids(self, plan: StepPlan, only: Collection[Request] | None = None) -> np.ndarray:
+        """Each work item's stop ids ``[B, S]`` (with ``only``, those requests' alone),
+        padded with -1 (``S`` from ``STOP_BUCKETS``)."""
+        which = [(i, r) for i, (r, _) in enumerate(plan.work) if only is None or r in only]
+        S = bucket(max(1, *(len(r.stop_token_ids) for _, r in which)), STOP_BUCKETS,
                    "stop token ids of a request")
         stops = np.full((plan.buckets[0], S), -1, np.int32)
-        for i, (r, _) in enumerate(plan.work):
+        for i, r in which:
             stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
         return stops
 
@@ -1312,12 +1352,12 @@ class Engine:
         return steps
 
     def _launch(self, plan: StepPlan | ShardedPlan, t_plan: float,
-                follow: tuple[list[int], list[int]] | None = None) -> _Run:
+                follow: _Follow | None = None) -> _Run:
         """Pack and dispatch ``plan`` (planned from ``t_plan`` on): one step, or a multi-step
         decode (``decode_steps``); returns the run, its outputs still on the device. With
-        ``follow`` (the columns and steps of ``_continuation``) its tokens come from the
-        run in flight's output."""
-        limits = self._multi_step_limits(plan)
+        ``follow`` (``_continuation``'s) the rows it names take their tokens from the output
+        of the run in flight."""
+        limits = self._multi_step_limits(plan, follow.samples if follow else None)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self._compilations()
@@ -1328,10 +1368,11 @@ class Engine:
         else:
             fn, (batch, *rest) = self._packed_decode(plan, limits)
         prev = self._inflight if follow is not None else None
-        if prev is not None:
-            cols, last = (np.zeros(plan.buckets[0], np.int32) for _ in range(2))
-            cols[: len(follow[0])], last[: len(follow[1])] = follow
-            stops = rest[0] if rest else jnp.asarray(self._stop_ids(plan))
+        if follow is not None and follow.fed:
+            B = plan.buckets[0]
+            cols, last = np.full(B, -1, np.int32), np.zeros(B, np.int32)
+            cols[: len(follow.cols)], last[: len(follow.last)] = follow.cols, follow.last
+            stops = rest[0] if rest else jnp.asarray(self._stop_ids(plan, follow.fed))
             batch = self._call(self._jit.follow, batch, prev.tokens, jnp.asarray(cols),
                                jnp.asarray(last), stops)
         if limits is None:
@@ -1345,7 +1386,8 @@ class Engine:
         # it was still computing when it was dispatched
         busy = prev is not None and not prev.tokens.is_ready()
         return _Run(plan, limits, tokens, ok, slots, key, self._compilations() > traces,
-                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan)
+                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
+                    follow.fed if follow is not None else ())
 
     def _commit(self, run: _Run) -> None:
         """Wait for ``run``'s tokens and commit them: one step, or a multi-step decode whose
@@ -1365,7 +1407,10 @@ class Engine:
         # -- commit: plain Python from here on --
         if isinstance(plan, StepPlan) and any(r.finished for r, _ in plan.work):
             keep = [j for j, (r, _) in enumerate(plan.work) if not r.finished]
-            plan = dataclasses.replace(plan, work=tuple(plan.work[j] for j in keep), ahead=())
+            plan = dataclasses.replace(
+                plan, work=tuple(plan.work[j] for j in keep), ahead=(),
+                restores=tuple(plan.restores[j] for j in keep) if plan.restores else (),
+                snapshots=tuple(plan.snapshots[j] for j in keep) if plan.snapshots else ())
             tokens = tokens[..., keep]
             limits = None if limits is None else [limits[j] for j in keep]
         if limits is None:
@@ -1430,17 +1475,24 @@ class Engine:
     @staticmethod
     def _record_slots(run: _Run, tokens: np.ndarray, slots: np.ndarray) -> None:
         """Extend each request's ``row_slots`` by the token slots ``run`` wrote for it (one
-        step: ``slots [T]``, its tokens packed in work order; a multi-step decode: ``[N, B]``,
-        the steps each row ran). A position below what a row borrows keeps the borrowed slot
-        (the step wrote the recomputed token to the sink), as ``req_to_token`` does."""
+        ``EXTEND`` step: ``slots [T]``, its tokens packed in work order, a row that ``_follow``
+        made padding holding none; one ``DECODE`` step: ``[B]``, row by row; a multi-step
+        decode: ``[N, B]``, the steps each row ran). A position below what a row borrows
+        keeps the borrowed slot (the step wrote the recomputed token to the sink), as
+        ``req_to_token`` does."""
+        dead = {r for r in run.fed if r.finish_reason == "stop"}  # padding on the device
+        extend = run.plan.mode != ForwardMode.DECODE
+        at = 0
         for j, (r, toks) in enumerate(run.plan.work):
-            if r.finished:  # aborted, or stopped in the run before: it ran nothing here
-                continue
-            if run.limits is None:
-                start = sum(len(t) for _, t in run.plan.work[:j])
-                new = slots[start: start + len(toks)].tolist()
-            else:
+            if run.limits is not None:
                 new = slots[: int(np.sum(tokens[:, j] >= 0)), j].tolist()
+            elif not extend:
+                new = [] if r in dead else [int(slots[j])]
+            else:
+                n = 0 if r in dead else len(toks)
+                new, at = slots[at: at + n].tolist(), at + n
+            if r.finished:  # aborted, or stopped in the run before: nothing to record
+                continue
             have = r.row_slots
             skip = len(have) - r.computed  # positions from computed on already held
             if skip < 0:  # cannot happen: admission records what the row borrows

@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from hybridattn.backend import ForwardMode
@@ -490,45 +490,63 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- steps ----
 
-    def plan(self) -> StepPlan | None:
-        """The next step (reads only), or None when nothing is running."""
-        if not self.running:
+    def plan(self, ahead: Mapping[Request, int] | None = None,
+             leaving: Collection[Request] = ()) -> StepPlan | None:
+        """The next step (reads only), or None when nothing is running.
+
+        ``ahead`` (overlapped scheduling) maps requests to the tokens they run in a step still
+        on the device, whose samples the host has not committed: they are planned from
+        ``computed + ahead`` on (``StepPlan.ahead``), and a request whose next token is one
+        it samples there gets a placeholder 0 (the device supplies it). ``leaving``: requests
+        that finish in that step whatever it samples (they reach ``max_new_tokens``); they
+        are left out."""
+        ahead = ahead or {}
+        running = [r for r in self.running if r not in leaving]
+        if not running:
             return None
-        decoding = [r for r in self.running if not r.prefilling]
-        work = [(r, [r.token_at(r.computed)]) for r in decoding]
-        prefilling = [r for r in self.running if r.prefilling]
+        at = {r: r.computed + ahead.get(r, 0) for r in running}
+        decoding = [r for r in running if at[r] >= len(r.prompt)]
+        work = [(r, [r.token_at(at[r]) if at[r] < len(r.prompt) + len(r.output) else 0])
+                for r in decoding]
+        prefilling = [r for r in running if at[r] < len(r.prompt)]
+
+        def done(plan):
+            return plan if not ahead else dataclasses.replace(
+                plan, ahead=tuple(ahead.get(r, 0) for r, _ in plan.work))
+
         if not prefilling:
             B = bucket(len(work), self.request_buckets, "requests in a step")
-            W = bucket(max(r.computed + 1 for r in decoding), self.kv_buckets, "context length")
-            return StepPlan(ForwardMode.DECODE, tuple(work), (B, B, W, 1))
+            W = bucket(max(at[r] + 1 for r in decoding), self.kv_buckets, "context length")
+            return done(StepPlan(ForwardMode.DECODE, tuple(work), (B, B, W, 1)))
         budget = min(self.chunked_prefill_size, self.token_buckets[-1] - len(decoding))
         for r in prefilling:
             if budget <= 0:
                 break
-            n = min(budget, len(r.prompt) - r.computed)
-            work.append((r, r.prompt[r.computed: r.computed + n]))
+            n = min(budget, len(r.prompt) - at[r])
+            work.append((r, r.prompt[at[r]: at[r] + n]))
             budget -= n
         B = bucket(len(work), self.request_buckets, "requests in a step")
-        W = bucket(max(r.computed + len(t) for r, t in work), self.kv_buckets, "context length")
+        W = bucket(max(at[r] + len(t) for r, t in work), self.kv_buckets, "context length")
         T = bucket(sum(len(t) for _, t in work), self.token_buckets, "tokens in a step")
         Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
         if self.tree is None:
-            return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q))
-        restores = tuple(r.restore if r.computed == r.start and r.prefilling else 0
+            return done(StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q)))
+        restores = tuple(r.restore if at[r] == r.start and at[r] < len(r.prompt) else 0
                          for r, _ in work)
         snaps = tuple(tuple(sorted((d, s) for d, s in r.planned.items()
-                                   if r.computed < d <= r.computed + len(t)))
+                                   if at[r] < d <= at[r] + len(t)))
                       for r, t in work)
         if self.chunk_size is None:
             M = bucket(sum(map(len, snaps)), self.snapshot_buckets, "snapshots in a step")
         else:
             C = self.chunk_size
-            aligned = sum((d - r.computed) % C == 0 or d == r.computed + len(t)
+            aligned = sum((d - at[r]) % C == 0 or d == at[r] + len(t)
                           for (r, t), ss in zip(work, snaps, strict=True) for d, _ in ss)
             windowed = sum(map(len, snaps)) - aligned
             M = tuple(bucket(n, self.snapshot_buckets, "snapshots in a step")
                       for n in (windowed, aligned))
-        return StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps, M)
+        return done(StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps,
+                             M))
 
     def commit(self, plan: StepPlan, tokens: Sequence[int],
                read_slots: Callable[[Request, int], Sequence[int]] | None = None,

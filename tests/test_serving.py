@@ -218,8 +218,8 @@ def test_abort_inside_a_stream_drops_the_tokens_of_a_multi_step_run():
 
 
 def _count_follows(eng: Engine) -> list:
-    """Record, on ``eng``, every round that dispatched a run before committing the one in
-    flight (``Engine._continuation`` found one)."""
+    """Record, on ``eng``, every round that dispatched a step before committing the run in
+    flight: ``(plan, follow)`` as ``Engine._continuation`` found them."""
     found, real = [], eng._continuation
 
     def spy():
@@ -270,10 +270,42 @@ def test_overlapped_scheduling_equals_the_synchronous_engine(decode_steps):
     want = [serve(sync), serve(sync)]
     assert [serve(over), serve(over)] == want
     assert any(len(o) < news[i] for i, o in enumerate(want[0]))  # some stopped early
-    assert follows  # runs were dispatched before the tokens of the one in flight
+    # steps were dispatched before the tokens of the run in flight, prompt chunks too (with
+    # requests admitted meanwhile), fed from the device
+    assert any(plan.mode == ForwardMode.DECODE for plan, _ in follows)
+    assert any(plan.mode == ForwardMode.EXTEND and follow.fed for plan, follow in follows)
     assert over.stats.cached_tokens > 0 and sync.stats.cached_tokens > 0
     assert over.num_cached_slots == sync.num_cached_slots
     assert_whole(over)
+
+
+@pytest.mark.parametrize("stopped", [(), (0,), (1,), (0, 1)])
+def test_follow_feeds_rows_from_the_run_in_flight_and_drops_the_stopped(stopped):
+    """``_follow`` against the batch the host would pack knowing the tokens: decode rows 0
+    and 1 take the run in flight's samples, prompt chunks keep theirs; a fed row whose token
+    is a stop id is padding and the tokens after it move up."""
+    from hybridattn.engine import _follow
+
+    prev = jnp.array([[40, 41, 42], [43, -1, 44]])  # a 2-step run: [N, B'] (row 1 stopped)
+    sampled = {0: 44, 1: 40}  # decode row 0 <- column 2, row 1 <- column 0 (step 0)
+    items = [S.WorkItem(1, 5, [0]), S.WorkItem(2, 7, [0]), S.WorkItem(3, 0, [11, 12, 13]),
+             S.WorkItem(4, 2, [21, 22])]
+    shape = dict(vocab_size=64, max_context_len=32, num_requests=6, num_tokens=10,
+                 kv_width=16, max_extend_len=4)
+    batch = S.make_worker_batch(items, **shape)
+    stops = np.full((6, 2), -1)
+    for row in stopped:
+        stops[row, 1] = sampled[row]
+    got = _follow(batch, prev, jnp.array([2, 0, -1, -1, -1, -1]), jnp.array([1, 0, 0, 0, 0, 0]),
+                  jnp.asarray(stops))
+    known = [S.WorkItem(it.req_index, it.prefix_len, [sampled[i]] if i in sampled else
+                        it.token_ids) for i, it in enumerate(items) if i not in stopped]
+    want = S.make_worker_batch(known, **shape)
+    assert got.input_ids.tolist() == want.input_ids.tolist()
+    live = [i for i in range(6) if i not in stopped]
+    for field in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
+        g, w = getattr(got, field).tolist(), getattr(want, field).tolist()
+        assert [g[i] for i in live] == w[: len(live)] and all(g[i] == 0 for i in stopped)
 
 
 def test_abort_of_a_request_whose_run_is_in_flight():
@@ -313,10 +345,11 @@ def test_compilations_bounded_over_200_steps():
     assert len(compiled) == len(set(compiled)) and set(compiled) <= eng.stats.buckets
     # ... plus, once each, the row admission and prefix borrowing (per kv bucket: one here),
     # the release, the frees of evicted slots (one per power of 2 of slots freed) and the
-    # overlapped decode's _follow (per decode bucket)
-    helpers = eng.stats.num_compilations - len(compiled)
-    decode = sum(key[0] == ForwardMode.DECODE for key in eng.stats.buckets)
-    assert 0 < helpers <= 3 * len(eng.kv_buckets) + eng.capacity.bit_length() + 1 + decode
+    # overlapped rounds' _follow (per step bucket and bucket of the run it follows)
+    follows = sum(key[0] is eng._jit.follow for key in eng._jit._seen)
+    assert 0 < follows <= len(eng.stats.buckets) ** 2
+    helpers = eng.stats.num_compilations - len(compiled) - follows
+    assert 0 < helpers <= 3 * len(eng.kv_buckets) + eng.capacity.bit_length() + 1
     # compilations are reused within the engine: a workload it has served compiles nothing
     prompts = prompts_of([30, 5, 17], seed=1)
     eng.generate(prompts, 3)
@@ -348,17 +381,17 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(prompt, kwargs, match):
     good = prompts_of([9, 20], seed=7)
     expected = engine().generate(good, 4)
     rids = [eng.add_request(p, 4) for p in good]
-    eng.step()  # the good requests are running
+    outs = {r: [] for r in rids}
+    for r, tok, _ in eng.step():  # the good requests are running
+        outs[r].append(tok)
+    assert eng.num_running == 2
     kw = dict(max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
         eng.add_request(prompt, kw.pop("max_new_tokens"), **kw)
-    outs = {r: [] for r in rids}
-    # what the first step produced is lost here on purpose: recompute from the engine's view
     while eng.has_unfinished():
         for r, tok, _ in eng.step():
             outs[r].append(tok)
-    assert [len(outs[r]) for r in rids] == [3, 3]
-    assert [expected[i][1:] for i in range(2)] == [outs[r] for r in rids]
+    assert [outs[r] for r in rids] == expected
 
 
 def test_generate_names_the_bad_prompt_and_changes_nothing():
