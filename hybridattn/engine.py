@@ -538,7 +538,9 @@ class _Run:
     its plan and step limits (None: one step), its outputs (device arrays), its bucket key,
     whether dispatching it compiled, when its round began planning it (``t_plan``), packing
     it (``t_pack``) and when the dispatch returned (``t_call``), and of the host seconds
-    before that, ``exposed``: those during which the device had nothing queued."""
+    before that, ``exposed``: those during which the device had nothing queued; ``fed``: the
+    requests whose tokens came from the run before it; ``ready_by``: a time a later round
+    found its outputs ready (its stats then end there, not at the commit)."""
 
     plan: StepPlan | ShardedPlan
     limits: list[int] | None
@@ -552,6 +554,7 @@ class _Run:
     t_call: float
     exposed: float
     fed: tuple = ()  # requests whose token came from the run before it (_Follow.fed)
+    ready_by: float | None = None  # a time its outputs were found ready (before the commit)
 
 
 class Engine:
@@ -1192,8 +1195,10 @@ class Engine:
             ran = False
             if self._inflight is not None:
                 t_plan = time.perf_counter()
-                follow = self._continuation()
                 prev = self._inflight
+                if prev.ready_by is None and prev.tokens.is_ready():
+                    prev.ready_by = t_plan
+                follow = self._continuation()
                 nxt = None if follow is None else self._launch(follow[0], t_plan, follow[1])
                 self._inflight = nxt
                 self._commit(prev)
@@ -1424,21 +1429,24 @@ class Engine:
         prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
         if not prefill:
             s.decode_rounds += 1
+        # when its outputs were ready: now, or earlier if a round found them ready before
+        ready = now if run.ready_by is None else min(now, run.ready_by)
         start = max(run.t_pack, self._last_ready)  # a run dispatched early starts at the last
-        self._last_ready = now
+        self._last_ready = ready
         if run.compiled:  # this call compiled (the step, or the _follow of its bucket)
+            # compiling is the dispatch's (synchronous) part, then its first run
+            sec = (run.t_call - run.t_pack) + max(0.0, ready - max(run.t_call, start))
             if run.key not in s.bucket_compile_seconds:
                 s.compiled_buckets.append(run.key)
-            s.bucket_compile_seconds[run.key] = (s.bucket_compile_seconds.get(run.key, 0.0)
-                                                 + now - start)
-            s.compile_seconds += now - start
+            s.bucket_compile_seconds[run.key] = s.bucket_compile_seconds.get(run.key, 0.0) + sec
+            s.compile_seconds += sec
         elif prefill:
             s.prefill_tokens += plan.prompt_tokens
-            s.prefill_seconds += now - start
+            s.prefill_seconds += ready - start
         else:
             s.decode_tokens += (plan.num_tokens if limits is None
                                 else sum(len(toks) for _, toks in steps))
-            s.decode_seconds += now - start
+            s.decode_seconds += ready - start
         first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
         events = []
         if limits is None:
@@ -1454,7 +1462,7 @@ class Engine:
             s.requests += 1
             s.prompt_tokens += len(r.prompt)
             s.cached_tokens += r.start
-            s.ttft.append(now - r.arrival)
+            s.ttft.append(ready - r.arrival)
         s.snapshots_taken, s.state_evictions, s.token_evictions = (
             sched.snapshots_taken, sched.state_evictions, sched.token_evictions)
         for event in events:
