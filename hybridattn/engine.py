@@ -20,15 +20,16 @@ The engine owns a ``hybridattn.serving.ServingState`` and a jitted ``step`` (sta
 4. **Finish** requests on a stop token or ``max_new_tokens``: their token slots, row and state
    slot are released (``hybridattn.serving.release``) and waiting requests move up.
 
-**Overlapped scheduling** (``overlap=True``, the default on one device): a ``DECODE`` run is
-left on the device when its round ends. The next round dispatches the run that follows it
-first, its tokens read on the device from the run in flight (``_follow``: a request that
-sampled a stop token there is padding in it), and only then waits for the earlier run's
-tokens and commits them, finishes requests and releases their rows: the host's planning,
-packing, dispatch and commit all happen while the device computes. A round that needs the
-tokens to decide (a prompt to run, a waiting request the run in flight may let in) commits
-first and plans as above. The outputs, the pools and the prefix cache are those of
-synchronous rounds; tokens reach callers one round later.
+**Overlapped scheduling** (``overlap=True``, the default on one device): a step is left on
+the device when its round ends. The next round admits what fits in the rows and slots free
+now, plans the step that follows from each request's ``computed`` plus what it runs in flight
+(``Scheduler.plan(ahead)``) and dispatches it, its decode rows' tokens read on the device from
+the step in flight (``_follow``: a request that sampled a stop token there is padding in it);
+only then does it wait for the earlier step's tokens, commit them, finish requests and release
+their rows. The host's admission, planning, packing, dispatch and commit all happen while the
+device computes; the host keeps each row's token slots (``Request.row_slots``) so the prefix
+cache reads none back. The outputs, the pools and the prefix cache are those of synchronous
+rounds; tokens reach callers one round later.
 
 The contract with callers (``Engine`` docstring): any number of ``generate``, ``stream`` and
 ``add_request`` / ``step`` users may be interleaved in one thread; each gets its own requests'
@@ -646,18 +647,17 @@ class Engine:
             function per bucket, so a short-lived engine (or a test) pays a compile for it.
             Under a ``mesh`` the engine decodes one step per round (``ShardedStep`` wraps
             the single step only).
-        overlap: overlapped scheduling (default on; one device): a ``DECODE`` run stays on
-            the device while the round ends, and the next round dispatches the run that
-            follows it before reading its tokens: that run takes each request's last token
-            from the device (a request that sampled a stop token there becomes padding),
-            and the host then commits the earlier run's tokens, finishes requests and
-            plans, all while the device computes. JAX dispatch is asynchronous, so the
-            device never waits for the host between decode runs. A round waits for the
-            tokens first when the next run depends on them: a prompt to run, or a waiting
-            request that the run in flight may let in (a row is free, or a request there
-            reaches ``max_new_tokens``). Outputs, pools and the prefix cache are those of
-            the synchronous engine (``overlap=False``); a round's tokens reach ``step`` /
-            ``stream`` one round later.
+        overlap: overlapped scheduling (default on; one device): a step stays on the
+            device while its round ends, and the next round admits what fits, plans and
+            dispatches the step that follows it before reading its tokens: that step takes
+            each decoding request's last token from the device (one that sampled a stop
+            token there becomes padding), and the host then commits the earlier step's
+            tokens, finishes requests and releases them, all while the device computes.
+            JAX dispatch is asynchronous, so the device does not wait for the host between
+            steps. Outputs, pools and the prefix cache are those of the synchronous engine
+            (``overlap=False``); a step's tokens reach ``step`` / ``stream`` one round
+            later, and a waiting request admitted into a row that a finish frees one round
+            later too.
         scan_layers: run the layers that repeat one pattern (``kimi_linear.layer_plan``: the
             released 27 layers repeat (KDA, KDA, MLA, KDA) six times) as one ``lax.scan``
             over stacked parameters and pools (``kimi_linear.stack_layers``, done here), so
