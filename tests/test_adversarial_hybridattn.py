@@ -338,7 +338,8 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
     assert_idle_and_whole(eng)
 
 
-@pytest.mark.parametrize("where", ["make_worker_batch", "_step", "_release", "_admit", "_borrow"])
+@pytest.mark.parametrize("where", ["make_worker_batch", "_step", "_follow", "_release", "_admit",
+                                   "_borrow"])
 def test_an_exception_inside_a_round_leaves_the_engine_consistent(monkeypatch, where):
     eng = engine()
     # make_worker_batch is the module's; the jitted functions are the engine's own
