@@ -968,7 +968,7 @@ class Engine:
         self._orphans: deque[int] = deque()  # rids of streams dropped mid-transaction
         self._busy = 0  # depth of transactions (rounds, aborts) in progress
         self._jit = _Compiled()  # this engine's own compilations
-        self._inflight: _Run | None = None  # a DECODE run not committed yet (overlap)
+        self._inflight: _Run | None = None  # a step not committed yet (overlap)
         self._last_ready = 0.0  # when the last committed run's tokens were read
 
     @contextlib.contextmanager
@@ -1176,8 +1176,8 @@ class Engine:
         id, token, finished)`` for every token of the requests queued with ``add_request``
         that nobody has received yet: those committed by this round and by rounds a
         ``stream`` or ``generate`` ran since the last ``step`` (none for a round that only ran
-        prompt chunks, or when nothing is queued). With ``overlap`` a decode round's tokens
-        are committed by the round after it, so they come with the next call."""
+        prompt chunks, or when nothing is queued). With ``overlap`` a step's tokens are
+        committed by the round after it, so they come with the next call."""
         with self._lock:
             self._round()
             events, self._outbox = self._outbox, []
@@ -1244,8 +1244,6 @@ class Engine:
         padding on the device and skipped at this step's commit."""
         run, sched = self._inflight, self.scheduler
         plan = run.plan
-        if not self.overlap:
-            return None
         ahead, samples, fed, leaving = {}, {}, {}, []
         for j, (r, toks) in enumerate(plan.work):
             if r.finished:  # aborted since the run was dispatched
@@ -1310,7 +1308,7 @@ class Engine:
         """Each work item's stop ids ``[B, S]`` (with ``only``, those requests' alone),
         padded with -1 (``S`` from ``STOP_BUCKETS``)."""
         which = [(i, r) for i, (r, _) in enumerate(plan.work) if only is None or r in only]
-        S = bucket(max(1, *(len(r.stop_token_ids) for _, r in which)), STOP_BUCKETS,
+        S = bucket(max([1, *(len(r.stop_token_ids) for _, r in which)]), STOP_BUCKETS,
                    "stop token ids of a request")
         stops = np.full((plan.buckets[0], S), -1, np.int32)
         for i, r in which:
