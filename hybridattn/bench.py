@@ -474,7 +474,7 @@ def _serve_by_step(engine, prompts: list[list[int]], new_tokens: int):
     steps: dict[str, list[dict]] = {k: [] for k in STEP_KINDS}
     fields = ("seconds", "host_seconds", "wait_seconds", "exposed_seconds")
 
-    def sums():  # a prefill step is never overlapped: all its host time is exposed
+    def sums():  # exposed host time is counted for decode steps; a prefill step's is its host time
         return {k: [getattr(engine.stats, f"{k}_{f}" if f != "exposed_seconds" or k == "decode"
                             else f"{k}_host_seconds") for f in fields] for k in STEP_KINDS}
 

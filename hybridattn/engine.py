@@ -28,8 +28,9 @@ the step in flight (``_follow``: a request that sampled a stop token there is pa
 only then does it wait for the earlier step's tokens, commit them, finish requests and release
 their rows. The host's admission, planning, packing, dispatch and commit all happen while the
 device computes; the host keeps each row's token slots (``Request.row_slots``) so the prefix
-cache reads none back. The outputs, the pools and the prefix cache are those of synchronous
-rounds; tokens reach callers one round later.
+cache reads none back. Each request's tokens are those of synchronous rounds; they reach
+callers one round later, and as admission can happen a round later too, what the prefix cache
+holds at a given moment may differ.
 
 The contract with callers (``Engine`` docstring): any number of ``generate``, ``stream`` and
 ``add_request`` / ``step`` users may be interleaved in one thread; each gets its own requests'
@@ -531,6 +532,7 @@ class _Follow:
     last: tuple[int, ...]
     fed: tuple[Request, ...]
     samples: dict
+    leaving: int = 0  # requests that reach max_new_tokens in flight (their rows free then)
 
 
 @dataclasses.dataclass
@@ -654,8 +656,9 @@ class Engine:
             token there becomes padding), and the host then commits the earlier step's
             tokens, finishes requests and releases them, all while the device computes.
             JAX dispatch is asynchronous, so the device does not wait for the host between
-            steps. Outputs, pools and the prefix cache are those of the synchronous engine
-            (``overlap=False``); a step's tokens reach ``step`` / ``stream`` one round
+            steps. Each request's tokens are those of the synchronous engine
+            (``overlap=False``; what the prefix cache holds may differ with admission
+            timing); a step's tokens reach ``step`` / ``stream`` one round
             later, and a waiting request admitted into a row that a finish frees one round
             later too.
         scan_layers: run the layers that repeat one pattern (``kimi_linear.layer_plan``: the
@@ -969,6 +972,9 @@ class Engine:
         self._busy = 0  # depth of transactions (rounds, aborts) in progress
         self._jit = _Compiled()  # this engine's own compilations
         self._inflight: _Run | None = None  # a step not committed yet (overlap)
+        # the device's free stack of request rows, mirrored (pops from the end, as alloc)
+        self._free_rows = list(range(self.max_running_requests, 0, -1))
+        self._row_checks: list = []  # (rows, ok, expected row) of admissions not checked
         self._last_ready = 0.0  # when the last committed run's tokens were read
 
     @contextlib.contextmanager
@@ -1203,6 +1209,13 @@ class Engine:
                 self._inflight = nxt
                 self._commit(prev)
                 self._flush_ops()
+                if nxt is not None and all(r.finished for r, _ in nxt.plan.work):
+                    # every request of it finished in the step before (a stop token): it runs
+                    # padding only; commit it now rather than leave it for a later round
+                    self._inflight = None
+                    self._commit(nxt)
+                    self._flush_ops()
+                    nxt = None
                 if nxt is not None:
                     return True
                 ran = True
@@ -1264,7 +1277,7 @@ class Engine:
         if rows and max(len(r.stop_token_ids) for r in rows) > STOP_BUCKETS[-1]:
             return None  # more stop ids than the device checks: wait for the tokens
         cols, last = zip(*(fed.get(r, (-1, 0)) for r, _ in nxt.work), strict=True)
-        return nxt, _Follow(cols, last, tuple(rows), samples)
+        return nxt, _Follow(cols, last, tuple(rows), samples, len(leaving))
 
     def _packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
         """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
@@ -1280,22 +1293,24 @@ class Engine:
         return self._sharded, self._sharded.make_batch(plan.items(), **shape)
 
     def _multi_step_limits(self, plan: StepPlan | ShardedPlan,
-                           samples: dict | None = None) -> list[int] | None:
+                           follow: _Follow | None = None) -> list[int] | None:
         """The steps each request of ``plan`` may run in one multi-step decode dispatch
         (None: this round runs one step). Only a pure ``DECODE`` plan on one device, and only
         when nothing could join before the run ends: no request waits, or none running can
         reach its ``max_new_tokens`` before the run's last step (the head of the queue waits
         for a row or token slots that only a finish frees). Each request runs at most its
         tokens left and what the plan's attention-width bucket has room for, counting, for a
-        plan that follows a run in flight, the tokens it runs there (``plan.ahead``) and
-        samples there (``samples``)."""
+        plan that follows a run in flight (``follow``), the tokens it runs there
+        (``plan.ahead``) and samples there; a request leaving in flight (its row frees when
+        that run is committed) counts as finishing before the run's last step."""
         N = self.decode_steps
         if N == 1 or self._sharded is not None or plan.mode != ForwardMode.DECODE:
             return None
         ahead = plan.ahead or (0,) * len(plan.work)
-        samples = samples or {}
+        samples = follow.samples if follow is not None else {}
         left = [r.max_new_tokens - len(r.output) - samples.get(r, 0) for r, _ in plan.work]
-        if self.scheduler.waiting and min(left) < N:
+        leaving = follow is not None and follow.leaving > 0
+        if self.scheduler.waiting and (leaving or min(left) < N):
             return None
         if max(len(r.stop_token_ids) for r, _ in plan.work) > STOP_BUCKETS[-1]:
             return None
@@ -1360,7 +1375,7 @@ class Engine:
         decode (``decode_steps``); returns the run, its outputs still on the device. With
         ``follow`` (``_continuation``'s) the rows it names take their tokens from the output
         of the run in flight."""
-        limits = self._multi_step_limits(plan, follow.samples if follow else None)
+        limits = self._multi_step_limits(plan, follow)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self._compilations()
@@ -1403,6 +1418,7 @@ class Engine:
         now = time.perf_counter()
         if not ok.all():  # unreachable (the reservation); only the sinks were written
             raise RuntimeError("token slots ran out inside a step despite the reservation")
+        self._check_rows()
         plan, limits = run.plan, run.limits
         sched = self.scheduler
         if sched.tree is not None:  # the slots the prefix cache will read
@@ -1421,6 +1437,9 @@ class Engine:
         else:  # checked before anything is recorded
             reqs = [r for r, _ in plan.work]
             steps = self._decode_run_steps(plan, tokens, limits)
+        if not plan.work:  # all its requests had finished: it ran padding, nothing to count
+            self._last_ready = now if run.ready_by is None else min(now, run.ready_by)
+            return
         s = self.stats
         s.buckets.add(run.key)
         s.steps += len(steps)
@@ -1467,8 +1486,8 @@ class Engine:
             self._sinks.get(event[0], self._outbox).append(event)
         if not run.compiled:
             done = time.perf_counter()
-            # the commit is hidden while the next run computes
-            hidden = self._inflight is not None and not self._inflight.tokens.is_ready()
+            # the commit is hidden while the next run computes (if it is still computing)
+            covered = self._inflight is not None and not self._inflight.tokens.is_ready()
             host = (run.t_call - run.t_plan) + (done - now)
             if prefill:
                 s.prefill_host_seconds += host
@@ -1476,7 +1495,7 @@ class Engine:
             else:
                 s.decode_host_seconds += host
                 s.decode_wait_seconds += now - t_wait
-                s.decode_exposed_seconds += run.exposed + (0.0 if hidden else done - now)
+                s.decode_exposed_seconds += run.exposed + (0.0 if covered else done - now)
 
     @staticmethod
     def _record_slots(run: _Run, tokens: np.ndarray, slots: np.ndarray) -> None:
@@ -1514,21 +1533,40 @@ class Engine:
             counts = [int(k == adm.req.shard) for k in range(self.num_data_shards)]
             new, rows, oks = self._call(self._sharded.try_alloc_rows, self.state, counts)
             rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
-        elif self.scheduler.tree is None:
-            pool, rows, ok = self._call(self._jit.alloc_row, self.state.req_to_token_pool)
-            new = self.state.replace(req_to_token_pool=pool)
         else:
-            W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
-            slots = np.zeros((1, W), np.int32)
-            slots[0, : adm.borrowed] = adm.slots
-            new, rows, ok = self._call(self._jit.admit, self.state,
-                                       jnp.asarray([adm.borrowed], jnp.int32),
-                                       jnp.asarray(slots), jnp.asarray([adm.computed], jnp.int32))
+            # The row is known on the host (the device's free stack, mirrored), so nothing
+            # is read back: with a step in flight a read would wait for it. The device's
+            # answer is checked at the next commit (_check_rows).
+            if self.scheduler.tree is None:
+                pool, rows, ok = self._call(self._jit.alloc_row, self.state.req_to_token_pool)
+                new = self.state.replace(req_to_token_pool=pool)
+            else:
+                W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
+                slots = np.zeros((1, W), np.int32)
+                slots[0, : adm.borrowed] = adm.slots
+                new, rows, ok = self._call(self._jit.admit, self.state,
+                                           jnp.asarray([adm.borrowed], jnp.int32),
+                                           jnp.asarray(slots),
+                                           jnp.asarray([adm.computed], jnp.int32))
+            self.state = new
+            row = self._free_rows.pop()
+            self._row_checks.append((rows, ok, row))
+            adm.req.row_slots = list(adm.slots)
+            return row
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
             raise RuntimeError("request-row allocation failed with rows counted free")
-        adm.req.row_slots = list(adm.slots)
         return int(rows[0])
+
+    def _check_rows(self) -> None:
+        """The rows the device allocated equal the host's mirror of its free stack (read at a
+        commit, when they are ready); a disagreement cannot happen and raises."""
+        checks, self._row_checks = self._row_checks, []
+        for rows, ok, row in checks:
+            got = int(np.asarray(rows)[0])
+            if not bool(np.asarray(ok)) or got != row:
+                raise RuntimeError(f"request-row allocation gave row {got} (ok="
+                                   f"{bool(np.asarray(ok))}); the host expected row {row}")
 
     def _flush_ops(self) -> None:
         """Carry out the device ops the scheduler queued, in order (frees of evicted slots,
@@ -1580,14 +1618,17 @@ class Engine:
         rows = np.zeros(R, np.int32)
         rows[: len(done)] = [r.row for r in done]
         if self.scheduler.tree is None:
-            return self._call(self._jit.release, self.state, jnp.asarray(rows))
-        keep = np.full(R, self.max_context_len, np.int32)
-        keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
-                             for r in done]
-        snaps = np.zeros(R, np.int32)
-        snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
-        return self._call(self._jit.release, self.state, jnp.asarray(rows),
-                          keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
+            state = self._call(self._jit.release, self.state, jnp.asarray(rows))
+        else:
+            keep = np.full(R, self.max_context_len, np.int32)
+            keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
+                                 for r in done]
+            snaps = np.zeros(R, np.int32)
+            snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
+            state = self._call(self._jit.release, self.state, jnp.asarray(rows),
+                               keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
+        self._free_rows.extend(r.row for r in done)  # freed in this order, as the device does
+        return state
 
     def _read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row, from the host's copy

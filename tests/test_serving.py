@@ -275,7 +275,7 @@ def test_overlapped_scheduling_equals_the_synchronous_engine(decode_steps):
     assert any(plan.mode == ForwardMode.DECODE for plan, _ in follows)
     assert any(plan.mode == ForwardMode.EXTEND and follow.fed for plan, follow in follows)
     assert over.stats.cached_tokens > 0 and sync.stats.cached_tokens > 0
-    assert over.num_cached_slots == sync.num_cached_slots
+    # (the cache's contents may differ: a request admitted a round later can hit more)
     assert_whole(over)
 
 
