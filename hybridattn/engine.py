@@ -668,7 +668,8 @@ class Engine:
             then holds the stacked copy of ``params`` (under a ``mesh``, placed by
             ``sharding.stacked_param_specs``). No effect on a model whose layers do not
             repeat. On one device the engine's copy is also in
-            ``kimi_linear.serving_layout`` (routed down projections input-major).
+            ``kimi_linear.serving_layout`` (routed down projections input-major, each KDA
+            layer's input projections as one).
         mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
             own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split

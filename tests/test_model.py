@@ -91,8 +91,9 @@ def test_serving_forward_equals_mlx_lm_kimi_linear(layout):
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 40, 300])
 def test_moe_paths_agree(monkeypatch, n_tokens):
-    """The gathered (N * top_k <= E), dense and blocked (CPU, few / many tokens) and grouped
-    ragged_dot (GPU / TPU) forms of the routed experts give the same sum."""
+    """The pairwise (CPU, few pairs), gathered (N * top_k <= E), dense and blocked (CPU, few /
+    many tokens) and grouped ragged_dot (GPU / TPU) forms of the routed experts give the
+    same sum."""
     cfg = _CFG
     params = M.init_params(cfg, jax.random.key(3))
     p = params["model"]["layers"][1]["block_sparse_moe"]
@@ -107,3 +108,6 @@ def test_moe_paths_agree(monkeypatch, n_tokens):
     for q in (p, served):
         grouped = M.sparse_moe(q, cfg, big)[:n_tokens]
         np.testing.assert_allclose(np.asarray(got), np.asarray(grouped), atol=1e-5, rtol=1e-5)
+        # off the CPU, few tokens take the gathered form
+        np.testing.assert_allclose(np.asarray(M.sparse_moe(q, cfg, x)), np.asarray(got),
+                                   atol=1e-5, rtol=1e-5)
