@@ -778,9 +778,9 @@ def serving_layout(params: Params) -> Params:
     projections of its input (``q_proj``, ``k_proj``, ``v_proj``, ``f_a_proj``, ``g_a_proj``,
     ``b_proj``) stacked into one ``self_attn["in_proj"]``, so a step runs one product for
     them instead of six (at one request a decode step on XLA:CPU is mostly small products,
-    each with its fixed cost). Stacked layers too; unchanged when already laid out. ``Engine`` does this on one device. ``forward``,
-    ``apply``, ``to_checkpoint`` and ``save_pretrained`` take either layout;
-    ``checkpoint_layout`` is the inverse.
+    each with its fixed cost). Stacked layers too; unchanged when already laid out.
+    ``Engine`` does this on one device. ``forward``, ``apply``, ``to_checkpoint`` and
+    ``save_pretrained`` take either layout; ``checkpoint_layout`` is the inverse.
 
     >>> cfg = KimiLinearConfig.tiny(hidden_size=32, vocab_size=64, moe_intermediate_size=16)
     >>> params = init_params(cfg, jax.random.key(0))
