@@ -1438,19 +1438,12 @@ class Engine:
         else:  # checked before anything is recorded
             reqs = [r for r, _ in plan.work]
             steps = self._decode_run_steps(plan, tokens, limits)
-        if not plan.work:  # all its requests had finished: it ran padding, nothing to count
-            self._last_ready = now if run.ready_by is None else min(now, run.ready_by)
-            return
         s = self.stats
-        s.buckets.add(run.key)
-        s.steps += len(steps)
-        prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
-        if not prefill:
-            s.decode_rounds += 1
         # when its outputs were ready: now, or earlier if a round found them ready before
         ready = now if run.ready_by is None else min(now, run.ready_by)
         start = max(run.t_pack, self._last_ready)  # a run dispatched early starts at the last
         self._last_ready = ready
+        s.buckets.add(run.key)
         if run.compiled:  # this call compiled (the step, or the _follow of its bucket)
             # compiling is the dispatch's (synchronous) part, then its first run
             sec = (run.t_call - run.t_pack) + max(0.0, ready - max(run.t_call, start))
@@ -1458,6 +1451,14 @@ class Engine:
                 s.compiled_buckets.append(run.key)
             s.bucket_compile_seconds[run.key] = s.bucket_compile_seconds.get(run.key, 0.0) + sec
             s.compile_seconds += sec
+        if not plan.work:  # all its requests had finished: it ran padding, nothing more to count
+            return
+        s.steps += len(steps)
+        prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
+        if not prefill:
+            s.decode_rounds += 1
+        if run.compiled:  # its time is the compile's (above)
+            ...
         elif prefill:
             s.prefill_tokens += plan.prompt_tokens
             s.prefill_seconds += ready - start

@@ -221,8 +221,8 @@ def test_snapshots_on_the_chunk_grid_are_bit_exact():
     snaps = eng.state.snapshot_pool
     grid = [(path, slot) for path, slot in _states_in_tree(eng.tree) if len(path) == 64]
     assert grid
-    for path, slot in grid:
-        for layer, (conv, ssm) in enumerate(_state_alone(PARAMS, path)):
+    for path, slot in grid:  # against the same model alone (the engine's parameter layout)
+        for layer, (conv, ssm) in enumerate(_state_alone(eng.params, path)):
             assert np.array_equal(np.asarray(snaps.ssm[layer][slot]), ssm)
             assert np.array_equal(np.asarray(snaps.conv[layer][slot]), conv)
 

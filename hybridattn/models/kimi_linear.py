@@ -734,8 +734,9 @@ def _rename_transposed(experts: Params, old: str, new: str) -> Params:
 def _fuse_kda_in(p: Params) -> Params:
     """A KDA layer's ``self_attn`` with its input projections stacked into ``in_proj``."""
     attn = p["self_attn"]
-    if "q_conv1d" not in attn or "in_proj" in attn:
-        return p
+    if ("q_conv1d" not in attn or "in_proj" in attn
+            or len({attn[n]["weight"].dtype for n in _KDA_IN_PROJ}) > 1):
+        return p  # an MLA layer, laid out already, or weights of several dtypes (kept apart)
     w = jnp.concatenate([attn[n]["weight"] for n in _KDA_IN_PROJ], axis=-2)  # [.., out, D]
     attn = {k: v for k, v in attn.items() if k not in _KDA_IN_PROJ}
     return {**p, "self_attn": {**attn, "in_proj": {"weight": w}}}
