@@ -781,9 +781,7 @@ def _gather_rows(table: Array, i, idx: Int[Array, " B"]) -> Array:
     dropped). One row would be read as a dynamic slice, and XLA:CPU then copies the whole
     table around the step's in-place write of that row (a decode step of one request on an
     engine of 128 request slots: 145 ms instead of 7, all of it copies of the state pool)."""
-    if idx.shape[0] != 1:
-        return table[i, idx]
-    return table[i, jnp.concatenate([idx, jnp.zeros((1,), idx.dtype)])][:1]
+    return table[i, _two_or_more(idx)][: idx.shape[0]]
 
 
 def set_states(
@@ -818,10 +816,9 @@ def _scatter_rows(table: Array, i, idx: Int[Array, " B"], rows: Array) -> Array:
     least two rows (the second into the sink, slot 0): as with ``_gather_rows``, one row
     would be a dynamic update slice, which XLA:CPU does on a copy of the whole table."""
     rows = rows.astype(table.dtype)
-    if idx.shape[0] == 1:
-        idx = jnp.concatenate([idx, jnp.zeros((1,), idx.dtype)])
+    if idx.shape[0] == 1:  # the sink's row: anything
         rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
-    return table.at[i, idx].set(rows)
+    return table.at[i, _two_or_more(idx)].set(rows)
 
 
 def copy_states(
@@ -838,8 +835,16 @@ def copy_states(
     >>> pool.ssm[0][:, 0, 0, 0].tolist(), pool.conv[0][:, 0, 0].tolist()
     ([0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0])
     """
+    src_idx, dst_idx = _two_or_more(src_idx), _two_or_more(dst_idx)
     return pool.replace(conv=pool.conv.at[:, dst_idx].set(pool.conv[:, src_idx]),
                         ssm=pool.ssm.at[:, dst_idx].set(pool.ssm[:, src_idx]))
+
+
+def _two_or_more(idx: Int[Array, " B"]) -> Int[Array, " B2"]:
+    """``idx``, with the sink (slot 0) appended when it holds one index: a copy of one row
+    is a dynamic slice and update slice, which XLA:CPU does on a copy of the whole pool (see
+    ``_gather_rows``); sink to sink changes nothing live."""
+    return idx if idx.shape[0] != 1 else jnp.concatenate([idx, jnp.zeros((1,), idx.dtype)])
 
 
 def copy_states_to(
@@ -868,5 +873,6 @@ def copy_states_to(
             for a, b in zip(jax.tree.leaves(src), jax.tree.leaves(dst), strict=True)):
         raise ValueError(f"copy_states_to needs pools of the same layers and per-slot shapes, "
                          f"got layers {src.layer_ids} and {dst.layer_ids}")
+    src_idx, dst_idx = _two_or_more(src_idx), _two_or_more(dst_idx)
     return dst.replace(conv=dst.conv.at[:, dst_idx].set(src.conv[:, src_idx].astype(dst.dtype)),
                        ssm=dst.ssm.at[:, dst_idx].set(src.ssm[:, src_idx]))

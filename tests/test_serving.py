@@ -709,26 +709,30 @@ def test_demo_serves_a_checkpoint_directory(checkpoint, capsys, monkeypatch):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_one_request_steps_without_copying_the_state_pool(scan):
-    """A decode step (and a prompt) of one request writes its KDA states in place: the
-    compiled step holds no copy of the state pool, whose size is set by the engine's request
-    rows, not by the batch. (Read as one row, a state reads as a dynamic slice and its write
-    as a dynamic update slice; XLA:CPU then copied the whole pool around the write, several
-    times a step: 93 ms a step at 128 rows against 5.6 ms without the copies.)"""
-    from hybridattn.scheduler import bucket
-
+    """A decode step, a prompt and a cache hit's prompt (a snapshot restored, one taken) of
+    one request write the KDA states in place: the compiled step holds no copy of the state
+    or snapshot pool, whose sizes are set by the engine, not by the batch. (Read as one row,
+    a state reads as a dynamic slice and its write as a dynamic update slice; XLA:CPU then
+    copied the whole pool around the write, several times a step: 93 ms a step at 128 rows
+    against 5.6 ms without the copies.)"""
     cfg = KimiLinearConfig.tiny(num_hidden_layers=4, hidden_size=32, vocab_size=64)
     eng = Engine(cfg, M.init_params(cfg, jax.random.key(0)), max_running_requests=16,
-                 max_context_len=64, num_token_slots=16 * 64 + 1, prefix_cache=False,
-                 scan_layers=scan)
-    pool = eng.state.recurrent_state_pool
-    shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in (pool.ssm, pool.conv)}
-    W = bucket(1, eng.kv_buckets, "width")
-    for mode, first, tokens in ((ForwardMode.DECODE, 1, 1), (ForwardMode.EXTEND, 0, 16)):
+                 max_context_len=128, num_token_slots=16 * 128 + 1, snapshot_interval=32,
+                 num_snapshot_slots=9, scan_layers=scan)
+    pools = (eng.state.recurrent_state_pool, eng.state.snapshot_pool)
+    shapes = {f"f32[{','.join(map(str, a.shape))}]" for p in pools for a in (p.ssm, p.conv)}
+    W = 128
+    for mode, item, snaps in (
+            (ForwardMode.DECODE, S.WorkItem(1, 1, [1]), None),
+            (ForwardMode.EXTEND, S.WorkItem(1, 0, [1] * 16), None),
+            # a cache hit: restores a snapshot, takes one
+            (ForwardMode.EXTEND, S.WorkItem(1, 64, [1] * 16, restore_from=2,
+                                            snapshots=((72, 5),)), 1)):
+        tokens = len(item.token_ids)
         batch = S.make_worker_batch(
-            [S.WorkItem(1, first, [1])], vocab_size=cfg.vocab_size,
-            max_context_len=eng.max_context_len, forward_mode=mode, num_requests=1,
-            num_tokens=tokens, kv_width=W, max_extend_len=tokens,
-            snapshot_chunk=eng.scheduler.chunk_size)
+            [item], vocab_size=cfg.vocab_size, max_context_len=eng.max_context_len,
+            forward_mode=mode, num_requests=1, num_tokens=tokens, kv_width=W,
+            max_extend_len=tokens, num_snapshots=snaps, snapshot_chunk=eng.scheduler.chunk_size)
         hlo = eng._jit.step.trace(eng.params, eng.state, batch).lower().compile().as_text()
         copies = [line.strip()[:120] for line in hlo.splitlines()
                   if " copy(" in line and any(f"= {s}" in line for s in shapes)]
