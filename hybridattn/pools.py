@@ -777,8 +777,8 @@ def get_states(
 
 
 def _gather_rows(table: Array, i, idx: Int[Array, " B"]) -> Array:
-    """``table[i, idx]``, read as a gather of at least two rows (the second the sink's, then
-    dropped). One row would be read as a dynamic slice, and XLA:CPU then copies the whole
+    """``table[i, idx]``, read as a gather of at least two rows (one row is read twice, and
+    the second dropped). One row would be read as a dynamic slice, and XLA:CPU then copies the whole
     table around the step's in-place write of that row (a decode step of one request on an
     engine of 128 request slots: 145 ms instead of 7, all of it copies of the state pool)."""
     return table[i, _two_or_more(idx)][: idx.shape[0]]
@@ -813,11 +813,11 @@ def set_states(
 
 def _scatter_rows(table: Array, i, idx: Int[Array, " B"], rows: Array) -> Array:
     """``table.at[i, idx].set(rows)`` (cast to the table's dtype), written as a scatter of at
-    least two rows (the second into the sink, slot 0): as with ``_gather_rows``, one row
+    least two rows (one row is written twice): as with ``_gather_rows``, one row
     would be a dynamic update slice, which XLA:CPU does on a copy of the whole table."""
     rows = rows.astype(table.dtype)
-    if idx.shape[0] == 1:  # the sink's row: anything
-        rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
+    if idx.shape[0] == 1:  # the same row twice
+        rows = jnp.concatenate([rows, rows])
     return table.at[i, _two_or_more(idx)].set(rows)
 
 
@@ -841,10 +841,11 @@ def copy_states(
 
 
 def _two_or_more(idx: Int[Array, " B"]) -> Int[Array, " B2"]:
-    """``idx``, with the sink (slot 0) appended when it holds one index: a copy of one row
-    is a dynamic slice and update slice, which XLA:CPU does on a copy of the whole pool (see
-    ``_gather_rows``); sink to sink changes nothing live."""
-    return idx if idx.shape[0] != 1 else jnp.concatenate([idx, jnp.zeros((1,), idx.dtype)])
+    """``idx``, its one index repeated when it holds one: a read, write or copy of one row is
+    a dynamic slice and update slice, which XLA:CPU does on a copy of the whole pool (see
+    ``_gather_rows``); the same row twice is a gather and an in-place scatter, and writing
+    the same value twice changes nothing."""
+    return idx if idx.shape[0] != 1 else jnp.concatenate([idx, idx])
 
 
 def copy_states_to(
