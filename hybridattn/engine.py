@@ -1457,12 +1457,10 @@ class Engine:
         prefill = plan.prompt_tokens > 0  # read before the commit advances the requests
         if not prefill:
             s.decode_rounds += 1
-        if run.compiled:  # its time is the compile's (above)
-            ...
-        elif prefill:
+        if prefill and not run.compiled:  # (a compiling run's time is the compile's, above)
             s.prefill_tokens += plan.prompt_tokens
             s.prefill_seconds += ready - start
-        else:
+        elif not run.compiled:
             s.decode_tokens += (plan.num_tokens if limits is None
                                 else sum(len(toks) for _, toks in steps))
             s.decode_seconds += ready - start

@@ -428,10 +428,13 @@ _KDA_IN_PROJ = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
 """A KDA layer's projections of its input, in the order ``serving_layout`` stacks them."""
 
 
-def _kda_in_sizes(config: KimiLinearConfig) -> tuple[int, ...]:
-    """Output sizes of ``_KDA_IN_PROJ`` (``[H Dk, H Dk, H Dv, Dk, Dk, H]``)."""
-    H, Dk = config.linear_num_heads, config.linear_head_dim
-    return (H * Dk, H * Dk, H * Dk, Dk, Dk, H)
+def _kda_in_sizes(attn: Params) -> list[int]:
+    """Output sizes of ``_KDA_IN_PROJ`` (``[H Dk, H Dk, H Dv, Dk, Dk, H]``), read from the
+    layer's other weights (convs ``[C, 1, K]``, ``f_b`` / ``g_b`` ``[H Dk, Dk]``,
+    ``A_log [1, 1, H, 1]``; a leading stacked axis or not)."""
+    return [attn["q_conv1d"]["weight"].shape[-3], attn["k_conv1d"]["weight"].shape[-3],
+            attn["v_conv1d"]["weight"].shape[-3], attn["f_b_proj"]["weight"].shape[-1],
+            attn["g_b_proj"]["weight"].shape[-1], attn["A_log"].shape[-2]]
 
 
 def kda_attention(
@@ -464,7 +467,7 @@ def kda_attention(
     H, Dk = config.linear_num_heads, config.linear_head_dim
     if "in_proj" in p:  # serving_layout: the six projections of x as one product
         q, k, v, f_a, g_a, b = jnp.split(_linear(x, p["in_proj"]),
-                                         np.cumsum(_kda_in_sizes(config))[:-1], axis=-1)
+                                         np.cumsum(_kda_in_sizes(p))[:-1], axis=-1)
     else:
         q, k, v, f_a, g_a, b = (_linear(x, p[n]) for n in _KDA_IN_PROJ)
     a = _linear(f_a, p["f_b_proj"]).reshape(T, H, Dk)
@@ -743,15 +746,11 @@ def _fuse_kda_in(p: Params) -> Params:
 
 
 def _split_kda_in(p: Params) -> Params:
-    """The inverse of ``_fuse_kda_in``: the sizes are read from the layer's other weights
-    (convs ``[C, 1, K]``, ``f_b`` / ``g_b`` ``[H Dk, Dk]``, ``A_log [1, 1, H, 1]``)."""
+    """The inverse of ``_fuse_kda_in``."""
     attn = p["self_attn"]
     if "in_proj" not in attn:
         return p
-    sizes = [attn["q_conv1d"]["weight"].shape[-3], attn["k_conv1d"]["weight"].shape[-3],
-             attn["v_conv1d"]["weight"].shape[-3], attn["f_b_proj"]["weight"].shape[-1],
-             attn["g_b_proj"]["weight"].shape[-1], attn["A_log"].shape[-2]]
-    parts = jnp.split(attn["in_proj"]["weight"], np.cumsum(sizes)[:-1], axis=-2)
+    parts = jnp.split(attn["in_proj"]["weight"], np.cumsum(_kda_in_sizes(attn))[:-1], axis=-2)
     rest = {k: v for k, v in attn.items() if k != "in_proj"}
     return {**p, "self_attn": {**rest, **{n: {"weight": a}
                                           for n, a in zip(_KDA_IN_PROJ, parts, strict=True)}}}
