@@ -24,7 +24,8 @@ small Kimi-Linear (random weights, f32, CPU) against mlx-lm's ``kimi_linear`` on
 weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.generate`` when
 torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
 and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
-of weights and state a step must read, over this machine's measured bandwidth). Where our
+of weights and state a step must read, over this machine's measured bandwidth) and the compute
+floor (the products a step cannot skip, over this machine's f32 matmul peak). Where our
 step's time goes, per prefill and per decode step (medians over the timed rounds, each
 divided by the steps it ran: our engine decodes ``decode_steps`` steps per dispatch, its
 default or ``--decode-steps N``):
@@ -671,9 +672,9 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
 
     config = config or serve_config()
     params = M.init_params(config, jax.random.key(0))
-    bandwidth = A.memory_bandwidth_gbs()
+    bandwidth, peak = A.memory_bandwidth_gbs(), A.peak_gflops(PEAK_N)
     res: dict = dict(machine=_machine(), config=config.to_dict(), prompt_len=prompt_len,
-                     new_tokens=new_tokens, bandwidth_gbs=bandwidth, rows=[],
+                     new_tokens=new_tokens, bandwidth_gbs=bandwidth, peak_gflops=peak, rows=[],
                      compilation_cache_dir=jax.config.jax_compilation_cache_dir)
     mlx_model = A.mlx_lm_model(config, params)
     reason = A.transformers_unavailable() if transformers else "not requested"
@@ -702,6 +703,9 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
         floor = A.decode_bytes_per_step(config, B, prompt_len + new_tokens // 2)
         row["decode_floor_s"] = floor["total"] / (bandwidth * 1e9)
         row["decode_floor_bytes"] = floor["total"]
+        flops = A.decode_flops_per_step(config, B, prompt_len + new_tokens // 2)
+        row["decode_flops"] = flops["total"]
+        row["decode_compute_floor_s"] = flops["total"] / (peak * 1e9)
         row["ours_sync"]["tokens_equal_ours"] = row["ours_sync"]["tokens"] == ours_tokens
         for r in (row["ours"], row["ours_sync"], row["mlx_lm"], row.get("transformers", {})):
             r.pop("tokens", None)
@@ -1341,10 +1345,11 @@ def _machine() -> dict:
 
 
 def _print_serve(res: dict) -> None:
+    peak = f"; f32 matmul peak {res['peak_gflops']:.0f} GFLOP/s" if "peak_gflops" in res else ""
     print(f"serve: Kimi-Linear {res['config']['num_hidden_layers']} layers, hidden "
           f"{res['config']['hidden_size']}, f32, prompts of {res['prompt_len']} tokens, "
           f"{res['new_tokens']} new tokens each (greedy); bandwidth {res['bandwidth_gbs']:.1f} "
-          f"GB/s; transformers: {res['transformers']}")
+          f"GB/s{peak}; transformers: {res['transformers']}")
     print(f"{'B':>3} | {'engine':>12} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
           f"{'ms/step':>8} | {'ours: prefill':>13} | {'decode':>7} | same tokens")
     for row in res["rows"]:
@@ -1367,11 +1372,20 @@ def _print_serve(res: dict) -> None:
               f"{1e3 * row['decode_floor_s']:8.2f} | ours at "
               f"{row['decode_floor_s'] / ours['decode_step_s']:.0%} of the bandwidth bound "
               f"({row['decode_floor_bytes'] / 1e6:.1f} MB/step)")
+        if row.get("decode_compute_floor_s") is not None:  # JSON of older runs lack it
+            cf = row["decode_compute_floor_s"]
+            print(f"{row['batch_size']:>3} | {'compute':>12} | {'':>13} | "
+                  f"{row['batch_size'] / cf:12.0f} | {1e3 * cf:8.2f} | ours at "
+                  f"{cf / ours['decode_step_s']:.0%} of the compute bound "
+                  f"({row['decode_flops'] / 1e6:.0f} MFLOP/step at the peak rate)")
         print(f"{row['batch_size']:>3} | ours compiled {ours['compilations']} times in "
               f"{ours['compile_s']:.1f} s")
     print("note: MLX's Linux CPU wheel links a slow reference BLAS, so mlx-lm's matmuls are slow "
           "here;\nthe 'floor' rows (bytes of weights + state one decode step must read, over the "
-          "measured\nbandwidth) are the hardware bound to read our decode step against.")
+          "measured\nbandwidth) are the hardware bound to read our decode step against; the "
+          "'compute' rows\n(the products a step cannot skip, over the measured peak of a large "
+          "f32 matmul) are the\nother bound: the step is compute-bound where they exceed the "
+          "floor.")
     _print_serve_steps(res)
 
 

@@ -7,7 +7,9 @@ on the same weights, and this machine's memory-bandwidth floor for a decode step
   our checkpoint from disk and timing ``generate``; needs the ``bench`` extra (``torch``) and
   reports why it did not run otherwise.
 - :func:`memory_bandwidth_gbs` and :func:`decode_bytes_per_step`: the least time a decode step
-  can take, ``bytes / bandwidth``.
+  can take, ``bytes / bandwidth``; :func:`peak_gflops` and :func:`decode_flops_per_step`: the
+  least time its arithmetic takes, ``flops / peak``. The larger of the two is the step's
+  roofline.
 
 Token convention (both serving anchors, as ``generate(max_new_tokens=N)``): ``new_tokens``
 tokens are generated per request; the first comes from the prefill's last logits, the other
@@ -35,8 +37,9 @@ from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
 
 __all__ = [
-    "decode_bytes_per_step", "memory_bandwidth_gbs", "mlx_lm_model", "mlx_lm_serve",
-    "transformers_model", "transformers_serve", "transformers_unavailable",
+    "decode_bytes_per_step", "decode_flops_per_step", "memory_bandwidth_gbs", "mlx_lm_model",
+    "mlx_lm_serve", "peak_gflops", "transformers_model", "transformers_serve",
+    "transformers_unavailable",
 ]
 
 
@@ -359,4 +362,74 @@ def decode_bytes_per_step(config: KimiLinearConfig, batch_size: int, context_len
                       + out["routed_experts"])
     out["state"] = out["kda_state"] + out["mla_cache"]
     out["total"] = out["weights"] + out["state"]
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# the compute floor of a decode step
+# -------------------------------------------------------------------------------------------
+
+
+def peak_gflops(n: int = 2048, repeats: int = 7) -> float:
+    """This machine's measured f32 matrix-product rate in GFLOP/s: the best over ``repeats``
+    of a jitted ``[n, n] @ [n, n]`` (``2 n^3`` flops), after a warm-up. A step's products
+    are far smaller and run well below it, so ``flops / peak_gflops()`` is a floor."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def decode_flops_per_step(config: KimiLinearConfig, batch_size: int, context_len: int
+                          ) -> dict[str, int]:
+    """The least floating-point operations (a multiply-add is two) of one decode step of
+    ``batch_size`` requests, each with ``context_len`` tokens of context: the products no
+    exact implementation can skip. Norms, activations, the softmax and the sampler are left
+    out (a few per value, against ``2 D`` per weight row).
+
+    - ``lm_head``: the output head's product;
+    - ``projections``: every other weight matrix a token passes through (attention in and
+      out, the MLA absorption of ``kv_b_proj``, dense MLPs, routers, shared experts);
+    - ``routed_experts``: ``top_k`` experts per token and MoE layer;
+    - ``kda``: per KDA layer the short convolutions (``K`` taps over q, k, v) and the delta
+      rule on ``S [H, Dk, Dv]``: decay, ``k^T S``, the rank-one update and ``q^T S``
+      (``7 Dk Dv`` per head);
+    - ``mla_attention``: per MLA layer and head, the absorbed scores over the context
+      (``r + dr`` per token) and the latent values (``r`` per token);
+    - ``total``.
+    """
+    c, B = config, batch_size
+    D, V = c.hidden_size, c.vocab_size
+    H, Dk, K = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
+    HD = H * Dk
+    kda_proj = 3 * D * HD + 2 * (D * Dk + Dk * HD) + D * H + HD * D
+    Hm = c.num_attention_heads
+    r, dr = c.kv_lora_rank, c.qk_rope_head_dim
+    mla_proj = (D * Hm * c.q_head_dim + D * (r + dr)
+                + Hm * (c.qk_nope_head_dim + c.v_head_dim) * r + Hm * c.v_head_dim * D)
+    expert = 3 * D * c.moe_intermediate_size
+    proj = routed = kda = mla = 0  # multiply-adds per token
+    for i in range(c.num_hidden_layers):
+        if c.is_kda_layer(i):
+            proj += kda_proj
+            kda += 3 * HD * K + 7 * H * Dk * Dk
+        else:
+            proj += mla_proj
+            mla += Hm * context_len * (2 * r + dr)
+        if c.is_moe_layer(i):
+            proj += c.num_experts * D + c.num_shared_experts * expert
+            routed += c.num_experts_per_token * expert
+        else:
+            proj += 3 * D * c.intermediate_size
+    out = {"lm_head": 2 * B * D * V, "projections": 2 * B * proj,
+           "routed_experts": 2 * B * routed, "kda": 2 * B * kda, "mla_attention": 2 * B * mla}
+    out["total"] = sum(out.values())
     return out

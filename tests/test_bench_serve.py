@@ -1,6 +1,7 @@
 """``bench serve``'s columns of where our step's time goes, on a 2-layer model: per-step host,
 exposed host, wait and device medians, compile seconds per bucket, compile seconds against
-the layer count and the small-prefill ratio, in the JSON and in the table (the anchors and
+the layer count and the small-prefill ratio, in the JSON and in the table (with the bandwidth
+and compute floors) (the anchors and
 the long runs live in the bench itself)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from hybridattn import bench
+from hybridattn import serve_anchors as A
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
 
@@ -43,9 +45,16 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
         assert v["total_s"] == pytest.approx(v["prefill"]["s"] + v["decode"]["s"])
 
     ours.pop("tokens")
-    bench._print_serve_steps(dict(rows=[dict(batch_size=2, ours=ours)], small_prefill=small,
-                                  compile_vs_layers=layers))
+    flops = A.decode_flops_per_step(CFG, 2, 10)["total"]
+    nbytes = A.decode_bytes_per_step(CFG, 2, 10)["total"]
+    row = dict(batch_size=2, ours=ours, decode_floor_s=nbytes / 20e9, decode_floor_bytes=nbytes,
+               decode_compute_floor_s=flops / 100e9, decode_flops=flops)
+    bench._print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
+                            peak_gflops=100.0, transformers="not requested", rows=[row],
+                            small_prefill=small, compile_vs_layers=layers))
     out = capsys.readouterr().out
+    assert "matmul peak 100 GFLOP/s" in out and "of the bandwidth bound" in out
+    assert f"of the compute bound ({flops / 1e6:.0f} MFLOP/step" in out
     assert "exposed" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
     assert "costs 1/" in out and "target 1/25" in out
     assert "     2 |   1+1   |        2 |" in out and "scanned/unrolled" in out

@@ -1,6 +1,8 @@
 """The serving benchmark's anchors: mlx-lm's batched greedy serving against a step-by-step
-loop, the decode byte count by hand and against real parameters, the bandwidth probe, and (slow,
-where torch is installed) transformers' greedy tokens against mlx-lm's on the same weights."""
+loop, the decode byte count by hand and against real parameters, the decode flop count by hand
+and against XLA's cost analysis of the engine's compiled decode step, the bandwidth and matmul
+probes, and (slow, where torch is installed) transformers' greedy tokens against mlx-lm's on
+the same weights."""
 
 from __future__ import annotations
 
@@ -110,6 +112,51 @@ def test_decode_bytes_weights_match_real_parameters(cfg):
     got = A.decode_bytes_per_step(cfg, batch_size=B, context_len=1)
     table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 4
     assert got["weights"] - got["embedding"] + table == nbytes
+
+
+def test_decode_flops_per_step_by_hand():
+    # tiny (as above): per token, a multiply-add counted as two flops.
+    kda_proj = 3 * 64 * 64 + 2 * (64 * 16 + 16 * 64) + 64 * 4 + 64 * 64  # q k v, f, g, b, o
+    kda = 3 * 64 * 4 + 7 * 4 * 16 * 16  # short convolutions, the delta rule on S [4, 16, 16]
+    mla_proj = 64 * 4 * 24 + 64 * 40 + 4 * 32 * 32 + 4 * 16 * 64  # q, kv_a, kv_b absorbed, o
+    mlp = 3 * 64 * 128 + 3 * (4 * 64 + 3 * 64 * 32)  # layer 0 dense; routers, shared experts
+    assert (kda_proj, kda, mla_proj, mlp) == (20736, 7936, 16896, 43776)
+
+    got = A.decode_flops_per_step(_CFG, batch_size=2, context_len=10)
+    want = dict(lm_head=2 * 2 * 64 * 256,
+                projections=2 * 2 * (3 * kda_proj + mla_proj + mlp),
+                routed_experts=2 * 2 * 3 * 2 * 3 * 64 * 32,  # 3 MoE layers, top-2
+                kda=2 * 2 * 3 * kda,
+                mla_attention=2 * 2 * 4 * 10 * (2 * 32 + 8))  # 4 heads, scores + values
+    assert {k: got[k] for k in want} == want
+    assert got["total"] == sum(want.values())
+
+
+def test_decode_flops_bound_xlas_count_of_the_engines_step():
+    """XLA's own count for the engine's compiled decode step (one request, layers unrolled so
+    no loop body is counted once for several layers) is at least the least count, and not
+    far above it: what it adds is element-wise work (norms, activations, the sampler)."""
+    from hybridattn.backend import ForwardMode
+    from hybridattn.engine import Engine
+    from hybridattn.scheduler import bucket
+    from hybridattn.serving import WorkItem, make_worker_batch
+
+    e = Engine(_CFG, M.init_params(_CFG, jax.random.key(0)), max_running_requests=1,
+               max_context_len=64, num_token_slots=65, prefix_cache=False, scan_layers=False)
+    W = bucket(1, e.kv_buckets, "width")
+    batch = make_worker_batch(
+        [WorkItem(1, 1, [1])], vocab_size=_CFG.vocab_size, max_context_len=e.max_context_len,
+        forward_mode=ForwardMode.DECODE, num_requests=1, num_tokens=1, kv_width=W,
+        max_extend_len=1, snapshot_chunk=e.scheduler.chunk_size)
+    cost = e._jit.step.trace(e.params, e.state, batch).lower().compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    least = A.decode_flops_per_step(_CFG, batch_size=1, context_len=W)["total"]
+    assert least <= cost["flops"] <= 1.3 * least
+
+
+def test_peak_gflops_is_positive():
+    peak = A.peak_gflops(n=256, repeats=2)
+    assert np.isfinite(peak) and peak > 0
 
 
 def test_memory_bandwidth_is_positive():
