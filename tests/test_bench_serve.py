@@ -1,8 +1,7 @@
 """``bench serve``'s columns of where our step's time goes, on a 2-layer model: per-step host,
 exposed host, wait and device medians, compile seconds per bucket, compile seconds against
-the layer count and the small-prefill ratio, in the JSON and in the table (with the bandwidth
-and compute floors) (the anchors and
-the long runs live in the bench itself)."""
+the layer count and the small-prefill ratio, in the JSON and in the table with the bandwidth
+and compute floors (the anchors and the long runs live in the bench itself)."""
 
 from __future__ import annotations
 
