@@ -661,10 +661,12 @@ class Engine:
             timing); a step's tokens reach ``step`` / ``stream`` one round
             later, and a waiting request admitted into a row that a finish frees one round
             later too.
-        scan_layers: run the layers that repeat one pattern (``kimi_linear.layer_plan``: the
-            released 27 layers repeat (KDA, KDA, MLA, KDA) six times) as one ``lax.scan``
-            over stacked parameters and pools (``kimi_linear.stack_layers``, done here), so
-            each bucket compiles one period of layers instead of all of them. The engine
+        scan_layers: run the layers that repeat as one ``lax.scan`` over stacked parameters
+            and pools (``kimi_linear.stack_layers``, done here): the released 27 layers are
+            layer 0 and seven groups of 2-3 KDA layers each ending in an MLA layer
+            (``kimi_linear.group_plan``), so each bucket compiles 3 layers instead of 27; a
+            model that repeats a period of layers instead (``kimi_linear.layer_plan``)
+            compiles one period. The engine
             then holds the stacked copy of ``params`` (under a ``mesh``, placed by
             ``sharding.stacked_param_specs``). No effect on a model whose layers do not
             repeat. On one device the engine's copy is also in
@@ -964,7 +966,7 @@ class Engine:
             self.params = sharding.shard_params(params, config, mesh)  # a no-op if placed
             self._sharded = sharding.ShardedStep(  # this engine's own
                 config, mesh, scan_layers=isinstance(self.params["model"]["layers"],
-                                                     kimi_linear.StackedLayers))
+                                                     kimi_linear.STACKED))
         self._lock = threading.RLock()
         self._next_rid = 0
         self._sinks: dict[int, deque] = {}  # rid -> the output buffer of the stream owning it

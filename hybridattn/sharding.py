@@ -241,22 +241,19 @@ def _shard_shape(shape, spec, sizes) -> tuple[int, ...]:
 
 def stacked_param_specs(specs, config: KimiLinearConfig):
     """``param_specs`` in the layout of ``kimi_linear.stack_layers``: a stacked layer's leaves
-    gain a leading unsplit (repeat) axis.
+    gain a leading unsplit (repeat or layer) axis.
 
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32, vocab_size=64)
     >>> specs = stacked_param_specs(param_specs(cfg, make_mesh(1, 1)), cfg)
-    >>> specs["model"]["layers"].body[0]["self_attn"]["o_proj"]["weight"]
+    >>> specs["model"]["layers"].kda["self_attn"]["o_proj"]["weight"]  # [layers, D, H Dv]
     P(None, None, 'tensor')
     """
-    start, period, reps = kimi_linear.layer_plan(config)
     layers = specs["model"]["layers"]
-    if reps < 2 or isinstance(layers, kimi_linear.StackedLayers):
+    if isinstance(layers, kimi_linear.STACKED):
         return specs
-    end = start + period * reps
-    body = [jax.tree.map(lambda sp: P(None, *sp), layers[start + j], is_leaf=_is_spec)
-            for j in range(period)]
-    stacked = kimi_linear.StackedLayers(head=list(layers[:start]), body=body,
-                                        tail=list(layers[end:]), plan=(start, period, reps))
+    stacked = kimi_linear.stack_layer_list(
+        layers, config,
+        lambda items: jax.tree.map(lambda sp: P(None, *sp), items[0], is_leaf=_is_spec))
     return {**specs, "model": {**specs["model"], "layers": stacked}}
 
 
@@ -286,7 +283,7 @@ def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     >>> params["model"]["layers"][0]["self_attn"]["q_proj"]["weight"].sharding.spec
     P('tensor', None)
     """
-    stacked = isinstance(params["model"]["layers"], kimi_linear.StackedLayers)
+    stacked = isinstance(params["model"]["layers"], kimi_linear.STACKED)
     return jax.device_put(params, param_shardings(config, mesh, stacked=stacked))
 
 

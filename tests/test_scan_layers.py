@@ -2,8 +2,9 @@
 repeated run of layers.
 
 Oracles: mlx-lm's own Kimi-Linear (greedy, its own caches) on a 6-layer model that is three
-repeats of (KDA, MLA), served with the prefix cache on (snapshots taken and restored inside
-the scan); the unrolled step on the same parameters, to float32 rounding, for the logits and
+repeats of (KDA, MLA) and on a 9-layer one run as groups of KDA layers ending in an MLA layer
+(``group_plan``), served with the prefix cache on (snapshots taken and restored inside the
+scan); the unrolled step on the same parameters, to float32 rounding, for the logits and
 every pool. The default tiny config (every engine test) scans its layers 1 and 2 (KDA with
 MoE).
 """
@@ -29,6 +30,13 @@ from hybridattn.pools import alloc_reqs_or_raise
 CFG = KimiLinearConfig.tiny(num_hidden_layers=6, num_experts=0, hidden_size=32,
                             full_attention_layer_ids=(1, 3, 5))
 PARAMS = realistic_params(CFG)
+# Groups of KDA layers each ending in an MLA layer (group_plan): (K, K, M), (M), (K, K, M),
+# (K, K, M), then one KDA layer: the step compiles the KDA body, the MLA body and the tail, 3
+# of 11 (the period, (K, K, M) twice from layer 4, would compile 8)
+GCFG = KimiLinearConfig.tiny(num_hidden_layers=11, num_experts=0, hidden_size=32,
+                             full_attention_layer_ids=(2, 3, 6, 9))
+GPARAMS = realistic_params(GCFG)
+CONFIGS = {"period": (CFG, PARAMS), "groups": (GCFG, GPARAMS)}
 
 
 def test_layer_plan_finds_the_longest_repeated_run():
@@ -43,23 +51,44 @@ def test_layer_plan_finds_the_longest_repeated_run():
         1, 2, 3)
 
 
-def test_stacking_keeps_the_checkpoint_layout_and_unstacks_exactly(tmp_path):
-    stacked = M.stack_layers(PARAMS, CFG)
+def test_group_plan_and_the_plan_that_compiles_fewer_layers():
+    tiny = KimiLinearConfig.tiny
+    assert M.group_plan(tiny(num_hidden_layers=27)) == (1, (2, 3, 3, 3, 3, 3, 2), 0)
+    assert M.group_plan(GCFG) == (0, (2, 0, 2, 2), 1)
+    assert M.group_plan(CFG) == (0, (1, 1, 1), 0)  # 2 compiled either way: the period wins
+    assert M.group_plan(tiny()) == (0, (), 0)  # one MLA layer: no two groups
+    # 8 layers: the period (layers 4-6) leaves 5 layers unrolled, which run faster than in
+    # a loop, so the groups (3 compiled, 7 looped) are not taken
+    assert M.group_plan(tiny(num_hidden_layers=8)) == (1, (2, 3), 0)
+    assert [M.compiled_layers(c) for c in (tiny(num_hidden_layers=27), GCFG, CFG, tiny(),
+                                           tiny(num_hidden_layers=8))] == [3, 3, 2, 3, 6]
+    assert isinstance(M.stack_layers(PARAMS, CFG)["model"]["layers"], M.StackedLayers)
+    assert isinstance(M.stack_layers(GPARAMS, GCFG)["model"]["layers"], M.GroupedLayers)
+
+
+@pytest.mark.parametrize("which", CONFIGS)
+def test_stacking_keeps_the_checkpoint_layout_and_unstacks_exactly(tmp_path, which):
+    cfg, params = CONFIGS[which]
+    stacked = M.stack_layers(params, cfg)
     layers = stacked["model"]["layers"]
-    assert isinstance(layers, M.StackedLayers) and len(jax.tree.leaves(stacked)) < len(
-        jax.tree.leaves(PARAMS))
-    assert M.stack_layers(stacked, CFG) is stacked
-    M.check_params(stacked, CFG)
+    assert isinstance(layers, M.STACKED) and len(jax.tree.leaves(stacked)) < len(
+        jax.tree.leaves(params))
+    assert M.stack_layers(stacked, cfg) is stacked
+    M.check_params(stacked, cfg)
     back = M.unstack_layers(stacked)
-    assert jax.tree.structure(back) == jax.tree.structure(PARAMS)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
-                                                    jax.tree.leaves(PARAMS), strict=True))
+                                                    jax.tree.leaves(params), strict=True))
+    # the serving layout and back, stacked
+    back = M.checkpoint_layout(M.serving_layout(stacked))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
+                                                    jax.tree.leaves(params), strict=True))
     # saved from the stacked copy: the same tensor names and values as from the original
-    M.save_pretrained(stacked, CFG, tmp_path / "ckpt")
+    M.save_pretrained(stacked, cfg, tmp_path / "ckpt")
     config, loaded = M.load(tmp_path / "ckpt")
-    assert config == CFG
+    assert config == cfg
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded),
-                                                    jax.tree.leaves(PARAMS), strict=True))
+                                                    jax.tree.leaves(params), strict=True))
 
 
 def _close(a, b, what, tol=1e-5):
@@ -68,9 +97,11 @@ def _close(a, b, what, tol=1e-5):
     assert err <= tol * max(1.0, float(np.abs(b).max())), f"{what}: max |scan - unrolled| = {err}"
 
 
-def test_the_scanned_step_equals_the_unrolled_step():
+@pytest.mark.parametrize("which", CONFIGS)
+def test_the_scanned_step_equals_the_unrolled_step(which):
     """A prefill of two requests, then three decodes: logits, tokens and every pool of every
     layer agree."""
+    CFG, PARAMS = CONFIGS[which]
     state = S.ServingState.create(CFG, max_running_requests=4, max_context_len=64,
                                   num_token_slots=257)
     pool, rows = alloc_reqs_or_raise(state.req_to_token_pool, 2)
@@ -106,20 +137,25 @@ def test_the_scanned_step_equals_the_unrolled_step():
                name)
 
 
-@pytest.fixture(scope="module")
-def mlx_greedy(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kimi6") / "ckpt"
-    M.save_pretrained(PARAMS, CFG, path)
-    model = mlx_kimi(path, CFG)
-    return lambda prompt, n: greedy_oracle(model, prompt, n)
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def served(request, tmp_path_factory):
+    """``(config, params, layout, greedy)``: a config of ``CONFIGS``, the class its engine
+    stacks its layers into, and mlx-lm's greedy decoding of the same checkpoint."""
+    cfg, params = CONFIGS[request.param]
+    path = tmp_path_factory.mktemp(f"kimi-{request.param}") / "ckpt"
+    M.save_pretrained(params, cfg, path)
+    model = mlx_kimi(path, cfg)
+    layout = M.StackedLayers if request.param == "period" else M.GroupedLayers
+    return cfg, params, layout, lambda prompt, n: greedy_oracle(model, prompt, n)
 
 
-def test_a_scanned_engine_with_the_prefix_cache_gives_mlx_lm_greedy_tokens(mlx_greedy):
+def test_a_scanned_engine_with_the_prefix_cache_gives_mlx_lm_greedy_tokens(served):
+    CFG, PARAMS, layout, mlx_greedy = served
     eng = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=96,
                  num_token_slots=385, chunk_size=32, chunked_prefill_size=64,
                  request_buckets=(4,), token_buckets=(16, 80), kv_buckets=(96,),
                  snapshot_interval=32, num_snapshot_slots=17)
-    assert isinstance(eng.params["model"]["layers"], M.StackedLayers)
+    assert isinstance(eng.params["model"]["layers"], layout)
     rng = np.random.default_rng(5)
     system = rng.integers(0, CFG.vocab_size, 40).tolist()
     prompts = [system + rng.integers(0, CFG.vocab_size, n).tolist() for n in (3, 9, 5)]
@@ -129,7 +165,9 @@ def test_a_scanned_engine_with_the_prefix_cache_gives_mlx_lm_greedy_tokens(mlx_g
     assert first + rest == [mlx_greedy(p, 5) for p in prompts]
 
 
-def test_apply_takes_stacked_parameters():
+@pytest.mark.parametrize("which", CONFIGS)
+def test_apply_takes_stacked_parameters(which):
+    CFG, PARAMS = CONFIGS[which]
     ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (1, 9)))
     fwd = jax.jit(M.apply, static_argnums=1)
     np.testing.assert_array_equal(np.asarray(fwd(M.stack_layers(PARAMS, CFG), CFG, ids)),

@@ -424,3 +424,24 @@ def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
     for i, tok in eng.stream(prompts[:8], 4):  # 8 requests on 4 rows: some wait
         got[i].append(tok)
     assert got[:8] == [mlx_greedy(model, p, 4) for p in prompts[:8]]
+
+
+def test_engine_with_grouped_layers_on_a_2x4_mesh_equals_the_unsharded_engine():
+    """Layers stacked by ``group_plan`` (CFG's widths, 9 layers: layer 0, then groups of KDA
+    layers each ending in an MLA layer) run as one scan in each device's step: the sharded
+    engine's greedy tokens equal the unsharded engine's."""
+    from hybridattn.engine import Engine
+
+    cfg = KimiLinearConfig.tiny(num_hidden_layers=9, full_attention_layer_ids=(2, 5, 8),
+                                hidden_size=32, vocab_size=64, linear_num_heads=8,
+                                linear_head_dim=8, num_attention_heads=8, num_experts=8,
+                                intermediate_size=64, moe_intermediate_size=16)
+    assert kimi_linear.group_plan(cfg) == (1, (1, 2, 2), 0)
+    params = kimi_linear.init_params(cfg, jax.random.key(1))
+    ref = Engine(cfg, params, num_token_slots=97, request_buckets=(4,), prefix_cache=False,
+                 **ENGINE)
+    eng = Engine(cfg, params, num_token_slots=2 * 49, request_buckets=(2,),
+                 mesh=S.make_mesh(2, 4), **ENGINE)
+    assert isinstance(eng.params["model"]["layers"], kimi_linear.GroupedLayers)
+    prompts, news = _workload()
+    assert eng.generate(prompts[:6], 4) == ref.generate(prompts[:6], 4)
