@@ -756,7 +756,14 @@ def stack_layer_list(layers: list, config: KimiLinearConfig,
                      stack: Callable[[list], Any]) -> Any:
     """``layers`` (one item per layer: a parameter dict, or anything laid out alike) as
     ``stack_layers`` lays them out, ``stack`` joining the items of layers run as one
-    (``GroupedLayers`` or ``StackedLayers``); ``layers`` itself when nothing repeats."""
+    (``GroupedLayers`` or ``StackedLayers``); ``layers`` itself when nothing repeats.
+    ``sharding.stacked_param_specs`` lays out its specs with it.
+
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12)
+    >>> out = stack_layer_list(list(range(12)), cfg, tuple)  # each layer's id as its item
+    >>> out.head, out.kda, out.mla, out.tail
+    ([0], (1, 2, 4, 5, 6, 8, 9, 10), (3, 7, 11), [])
+    """
     n = len(layers)
     plan, _ = _plans(config)
     if plan == "groups":
@@ -1583,11 +1590,11 @@ def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.Pat
 
 
 __all__ = [
-    "StackedLayers", "apply", "check_params", "checkpoint_layout", "compute_logits",
-    "dense_mlp", "decoder_layer",
-    "forward", "from_checkpoint",
+    "STACKED", "GroupedLayers", "StackedLayers", "apply", "check_params", "checkpoint_layout",
+    "compiled_layers", "compute_logits", "dense_mlp", "decoder_layer",
+    "forward", "from_checkpoint", "group_plan",
     "init_params", "kda_attention", "layer_plan", "load", "load_tokenizer", "mla_attention",
     "mla_split", "param_shapes",
     "rms_norm", "route", "routed_experts", "save_pretrained", "serving_layout", "sparse_moe",
-    "stack_layers", "to_checkpoint", "unstack_layers",
+    "stack_layer_list", "stack_layers", "to_checkpoint", "unstack_layers",
 ]
