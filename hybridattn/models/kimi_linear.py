@@ -673,7 +673,7 @@ def group_plan(config: KimiLinearConfig) -> tuple[int, tuple[int, ...], int]:
     compiles ``start + 2 + tail`` layers.
 
     The released 27-layer pattern (MLA every 4th layer and the last; layer 0 dense): layer 0,
-    then seven groups; 3 layers compiled instead of 27 (``layer_plan``'s period: 7).
+    then seven groups; 3 layers compiled instead of 27 (the period plan compiles 7).
 
     >>> group_plan(KimiLinearConfig.tiny(num_hidden_layers=27))
     (1, (2, 3, 3, 3, 3, 3, 2), 0)
@@ -1006,7 +1006,7 @@ def _grouped_forward(layers: GroupedLayers, config: KimiLinearConfig, x, backend
         return (x, batch), None
 
     counts = np.asarray(groups, np.int32)
-    firsts = np.cumsum(counts) - counts
+    firsts = np.cumsum(counts, dtype=np.int32) - counts
     (x, batch), _ = jax.lax.scan(
         group, (x, batch), (jnp.asarray(firsts), jnp.asarray(counts),
                             jnp.arange(len(groups), dtype=jnp.int32), layers.mla))
