@@ -312,6 +312,18 @@ def memory_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 7) -> float:
     return 4 * n / best / 1e9
 
 
+def _projection_sizes(c: KimiLinearConfig) -> tuple[int, int, int]:
+    """Weights in the products of a KDA layer's attention (q, k, v, f, g, b in; o out), of an
+    MLA layer's (q, kv_a, kv_b, o) and of one routed or shared expert (w1, w2, w3)."""
+    D, H, Dk = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+    HD = H * Dk
+    kda = 3 * D * HD + 2 * (D * Dk + Dk * HD) + D * H + HD * D
+    Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    mla = (D * Hm * c.q_head_dim + D * (r + dr)
+           + Hm * (c.qk_nope_head_dim + c.v_head_dim) * r + Hm * c.v_head_dim * D)
+    return kda, mla, 3 * D * c.moe_intermediate_size
+
+
 def decode_bytes_per_step(config: KimiLinearConfig, batch_size: int, context_len: int,
                           dtype_bytes: int = 4) -> dict[str, int]:
     """The least bytes one decode step of ``batch_size`` requests, each with ``context_len``
@@ -334,13 +346,10 @@ def decode_bytes_per_step(config: KimiLinearConfig, batch_size: int, context_len
     D, V = c.hidden_size, c.vocab_size
     H, Dk, K = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
     HD = H * Dk
-    kda_attn = (3 * D * HD + 3 * HD * K + H + HD + 2 * (D * Dk + Dk * HD) + D * H + Dk
-                + HD * D)
-    Hm = c.num_attention_heads
     r, dr = c.kv_lora_rank, c.qk_rope_head_dim
-    mla_attn = (D * Hm * c.q_head_dim + D * (r + dr) + r
-                + Hm * (c.qk_nope_head_dim + c.v_head_dim) * r + Hm * c.v_head_dim * D)
-    expert = 3 * D * c.moe_intermediate_size
+    kda_proj, mla_proj, expert = _projection_sizes(c)
+    kda_attn = kda_proj + 3 * HD * K + H + HD + Dk  # + convs, A_log, dt_bias, the norm
+    mla_attn = mla_proj + r  # + kv_a_layernorm
     layer_weights, routed = D, 0  # the final norm
     for i in range(c.num_hidden_layers):
         layer_weights += 2 * D + (kda_attn if c.is_kda_layer(i) else mla_attn)
@@ -410,12 +419,8 @@ def decode_flops_per_step(config: KimiLinearConfig, batch_size: int, context_len
     D, V = c.hidden_size, c.vocab_size
     H, Dk, K = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
     HD = H * Dk
-    kda_proj = 3 * D * HD + 2 * (D * Dk + Dk * HD) + D * H + HD * D
-    Hm = c.num_attention_heads
-    r, dr = c.kv_lora_rank, c.qk_rope_head_dim
-    mla_proj = (D * Hm * c.q_head_dim + D * (r + dr)
-                + Hm * (c.qk_nope_head_dim + c.v_head_dim) * r + Hm * c.v_head_dim * D)
-    expert = 3 * D * c.moe_intermediate_size
+    Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    kda_proj, mla_proj, expert = _projection_sizes(c)
     proj = routed = kda = mla = 0  # multiply-adds per token
     for i in range(c.num_hidden_layers):
         if c.is_kda_layer(i):
