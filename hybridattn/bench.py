@@ -620,6 +620,7 @@ def _compile_vs_layers(layers) -> list[dict]:
         row: dict = dict(layers=n, kda_layers=cfg.num_kda_layers,
                          mla_layers=len(cfg.full_attention_layer_ids),
                          plan=[start, period, reps], group_plan=list(M.group_plan(cfg)),
+                         folded_layers=M.folded_layers(cfg),
                          compiled_layers=M.compiled_layers(cfg))
         for variant, scan in (("unrolled", False), ("scanned", True)):
             e = Engine(cfg, params, max_running_requests=1, max_context_len=64,

@@ -664,7 +664,8 @@ class Engine:
         scan_layers: run the layers that repeat as one ``lax.scan`` over stacked parameters
             and pools (``kimi_linear.stack_layers``, done here): the released 27 layers are
             layer 0 and seven groups of 2-3 KDA layers each ending in an MLA layer
-            (``kimi_linear.group_plan``), so each bucket compiles 3 layers instead of 27; a
+            (``kimi_linear.group_plan``), layer 0 running in the first group's loop
+            (``kimi_linear.folded_layers``), so each bucket compiles 2 layers instead of 27; a
             model that repeats a period of layers instead (``kimi_linear.layer_plan``)
             compiles one period. The engine
             then holds the stacked copy of ``params`` (under a ``mesh``, placed by

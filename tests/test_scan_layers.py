@@ -2,8 +2,9 @@
 repeated run of layers.
 
 Oracles: mlx-lm's own Kimi-Linear (greedy, its own caches) on a 6-layer model that is three
-repeats of (KDA, MLA) and on a 9-layer one run as groups of KDA layers ending in an MLA layer
-(``group_plan``), served with the prefix cache on (snapshots taken and restored inside the
+repeats of (KDA, MLA), on an 11-layer one run as groups of KDA layers ending in an MLA layer
+(``group_plan``) and on a 12-layer one whose dense layer 0 runs in the first group's loop
+(``folded_layers``), served with the prefix cache on (snapshots taken and restored inside the
 scan); the unrolled step on the same parameters, to float32 rounding, for the logits and
 every pool. The default tiny config (every engine test) scans its layers 1 and 2 (KDA with
 MoE).
@@ -36,7 +37,12 @@ PARAMS = realistic_params(CFG)
 GCFG = KimiLinearConfig.tiny(num_hidden_layers=11, num_experts=0, hidden_size=32,
                              full_attention_layer_ids=(2, 3, 6, 9))
 GPARAMS = realistic_params(GCFG)
-CONFIGS = {"period": (CFG, PARAMS), "groups": (GCFG, GPARAMS)}
+# The released head: layer 0 KDA with a dense MLP, the rest MoE; groups (K, K, M), (K, K, K, M),
+# (K, K, K, M): layer 0 runs in the first group's loop (folded_layers), its MLP picked by a
+# lax.cond, so the step compiles 2 layers of 12
+FCFG = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32)
+FPARAMS = realistic_params(FCFG)
+CONFIGS = {"period": (CFG, PARAMS), "groups": (GCFG, GPARAMS), "folded": (FCFG, FPARAMS)}
 
 
 def test_layer_plan_finds_the_longest_repeated_run():
@@ -55,15 +61,22 @@ def test_group_plan_and_the_plan_that_compiles_fewer_layers():
     tiny = KimiLinearConfig.tiny
     assert M.group_plan(tiny(num_hidden_layers=27)) == (1, (2, 3, 3, 3, 3, 3, 2), 0)
     assert M.group_plan(GCFG) == (0, (2, 0, 2, 2), 1)
+    assert M.group_plan(FCFG) == (1, (2, 3, 3), 0)
+    assert [M.folded_layers(c) for c in (tiny(num_hidden_layers=27), GCFG, FCFG, CFG)] == [
+        1, 0, 1, 0]
     assert M.group_plan(CFG) == (0, (1, 1, 1), 0)  # 2 compiled either way: the period wins
     assert M.group_plan(tiny()) == (0, (), 0)  # one MLA layer: no two groups
     # 8 layers: the period (layers 4-6) leaves 5 layers unrolled, which run faster than in
     # a loop, so the groups (3 compiled, 7 looped) are not taken
     assert M.group_plan(tiny(num_hidden_layers=8)) == (1, (2, 3), 0)
-    assert [M.compiled_layers(c) for c in (tiny(num_hidden_layers=27), GCFG, CFG, tiny(),
-                                           tiny(num_hidden_layers=8))] == [3, 3, 2, 3, 6]
+    assert [M.compiled_layers(c) for c in (tiny(num_hidden_layers=27), GCFG, FCFG, CFG, tiny(),
+                                           tiny(num_hidden_layers=8))] == [2, 3, 2, 2, 3, 6]
     assert isinstance(M.stack_layers(PARAMS, CFG)["model"]["layers"], M.StackedLayers)
     assert isinstance(M.stack_layers(GPARAMS, GCFG)["model"]["layers"], M.GroupedLayers)
+    folded = M.stack_layers(FPARAMS, FCFG)["model"]["layers"]
+    assert (folded.folded, folded.head, folded.fold["mlp"]["up_proj"]["weight"].shape[0],
+            folded.kda["self_attn"]["o_proj"]["weight"].shape[0],
+            folded.kda["block_sparse_moe"]["gate"]["weight"].shape[0]) == (1, [], 1, 9, 8)
 
 
 @pytest.mark.parametrize("which", CONFIGS)

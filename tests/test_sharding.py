@@ -428,8 +428,9 @@ def test_engine_on_a_2x4_mesh_equals_mlx_lm(engines, params, tmp_path):
 
 def test_engine_with_grouped_layers_on_a_2x4_mesh_equals_the_unsharded_engine():
     """Layers stacked by ``group_plan`` (CFG's widths, 9 layers: layer 0, then groups of KDA
-    layers each ending in an MLA layer) run as one scan in each device's step: the sharded
-    engine's greedy tokens equal the unsharded engine's."""
+    layers each ending in an MLA layer; layer 0, dense, runs in the first group's loop with
+    its MLP behind a ``lax.cond``) run as one scan in each device's step: the sharded engine's
+    greedy tokens equal the unsharded engine's."""
     from hybridattn.engine import Engine
 
     cfg = KimiLinearConfig.tiny(num_hidden_layers=9, full_attention_layer_ids=(2, 5, 8),
@@ -442,6 +443,7 @@ def test_engine_with_grouped_layers_on_a_2x4_mesh_equals_the_unsharded_engine():
                  **ENGINE)
     eng = Engine(cfg, params, num_token_slots=2 * 49, request_buckets=(2,),
                  mesh=S.make_mesh(2, 4), **ENGINE)
-    assert isinstance(eng.params["model"]["layers"], kimi_linear.GroupedLayers)
+    layers = eng.params["model"]["layers"]
+    assert isinstance(layers, kimi_linear.GroupedLayers) and layers.folded == 1
     prompts, news = _workload()
     assert eng.generate(prompts[:6], 4) == ref.generate(prompts[:6], 4)

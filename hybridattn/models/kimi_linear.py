@@ -556,17 +556,26 @@ def decoder_layer(
     >>> x.shape
     (3, 32)
     """
+    x, h, batch = _attend(p, config, layer_id, x, backend, batch, comm)
+    return x + _mlp(p, config, getattr(layer_id, "layer_id", layer_id), h, comm), batch
+
+
+def _attend(p: Params, config: KimiLinearConfig, layer_id: int | LayerRef, x, backend, batch,
+            comm):
+    """A layer's first half: ``(x + attention, the MLP's input, batch)``."""
     kind = getattr(layer_id, "layer_id", layer_id)  # the int id of its kind and shapes
     h = rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)
     attn = kda_attention if config.is_kda_layer(kind) else mla_attention
     a, batch = attn(p["self_attn"], config, layer_id, h, backend, batch, comm)
     x = x + a
-    h = rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)
-    if config.is_moe_layer(kind):
-        m = sparse_moe(p["block_sparse_moe"], config, h, comm)
-    else:
-        m = dense_mlp(p["mlp"], h, comm)
-    return x + m, batch
+    return x, rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps), batch
+
+
+def _mlp(p: Params, config: KimiLinearConfig, layer: int, h, comm):
+    """A layer's MLP on ``h``: ``sparse_moe`` on MoE layers, else ``dense_mlp``."""
+    if config.is_moe_layer(layer):
+        return sparse_moe(p["block_sparse_moe"], config, h, comm)
+    return dense_mlp(p["mlp"], h, comm)
 
 
 def forward(
@@ -669,11 +678,12 @@ def group_plan(config: KimiLinearConfig) -> tuple[int, tuple[int, ...], int]:
     ``groups[g]`` KDA layers followed by one MLA layer, every KDA layer there alike and every
     MLA layer alike (kind and MLP), then ``tail`` more layers; ``(0, (), 0)`` when there are
     not two such groups. ``stack_layers`` may run them (``_plans`` says when) as one
-    ``lax.scan`` over the groups with a loop over each group's KDA layers: the step then
-    compiles ``start + 2 + tail`` layers.
+    ``lax.scan`` over the groups with a loop over each group's KDA layers, the ``start``
+    layers before them in the first group's loop too when ``folded_layers`` says so: the step
+    then compiles ``2 + tail`` layers (``start + 2 + tail`` when they are not folded).
 
     The released 27-layer pattern (MLA every 4th layer and the last; layer 0 dense): layer 0,
-    then seven groups; 3 layers compiled instead of 27 (the period plan compiles 7).
+    then seven groups; 2 layers compiled instead of 27 (the period plan compiles 7).
 
     >>> group_plan(KimiLinearConfig.tiny(num_hidden_layers=27))
     (1, (2, 3, 3, 3, 3, 3, 2), 0)
@@ -694,11 +704,30 @@ def group_plan(config: KimiLinearConfig) -> tuple[int, tuple[int, ...], int]:
     return start, groups, n - mla[-1] - 1
 
 
+def folded_layers(config: KimiLinearConfig) -> int:
+    """How many layers before ``group_plan``'s groups run inside the first group's loop of KDA
+    layers: all of them (``start``) when they are KDA layers with one kind of MLP, else 0.
+    Their MLP is not the groups' (else they would be in the groups), so the loop runs it by a
+    ``lax.cond`` on the layer's index. The released pattern's dense layer 0 is so: the step
+    compiles one KDA layer for all 20 and one MLA layer for all 7.
+
+    >>> folded_layers(KimiLinearConfig.tiny(num_hidden_layers=27))
+    1
+    >>> folded_layers(KimiLinearConfig.tiny(num_hidden_layers=27, num_experts=0))  # no head
+    0
+    """
+    start, groups, _ = group_plan(config)
+    head = range(start)
+    if not groups or not all(config.is_kda_layer(i) for i in head):
+        return 0
+    return start if len({config.is_moe_layer(i) for i in head}) == 1 else 0
+
+
 def compiled_layers(config: KimiLinearConfig) -> int:
     """Layers the serving step compiles once ``stack_layers`` has stacked what repeats.
 
     >>> [compiled_layers(KimiLinearConfig.tiny(num_hidden_layers=n)) for n in (2, 4, 8, 27)]
-    [2, 3, 6, 3]
+    [2, 3, 6, 2]
     """
     return _plans(config)[1]
 
@@ -719,33 +748,42 @@ def _plans(config: KimiLinearConfig) -> tuple[str | None, int]:
     start, groups, tail = group_plan(config)
     looped = period * reps if reps >= 2 else 0
     by_period = n - looped + period if looped else n
-    if groups and start + 2 + tail < by_period and 2 * looped >= n:
-        return "groups", start + 2 + tail
+    if groups and start - folded_layers(config) + 2 + tail < by_period and 2 * looped >= n:
+        return "groups", start - folded_layers(config) + 2 + tail
     return ("period", by_period) if looped else (None, n)
 
 
-@pytree_dataclass(static=("start", "groups"))
+@pytree_dataclass(static=("start", "groups", "folded"))
 class GroupedLayers:
     """``params["model"]["layers"]`` of ``stack_layers`` by ``group_plan``: the layers before
-    the groups (``head``), the groups' KDA layers (``kda``: one layer dict whose leaves are
-    stacked ``[sum(groups), ...]`` in layer order), their MLA layers (``mla``: stacked
-    ``[len(groups), ...]``) and the layers after them (``tail``).
+    the groups that do not run in their loop (``head``), the loop's KDA layers (``kda``: one
+    layer dict whose leaves are stacked in layer order: ``[folded + sum(groups), ...]``, the
+    MLP's ``[sum(groups), ...]``), the MLPs of the ``folded`` layers before the groups that
+    run in the loop (``fold``: stacked ``[folded, ...]``, None when none;
+    ``folded_layers``), the groups' MLA layers (``mla``: stacked ``[len(groups), ...]``) and
+    the layers after them (``tail``).
 
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32, vocab_size=64)
     >>> layers = stack_layers(init_params(cfg, jax.random.key(0)), cfg)["model"]["layers"]
-    >>> layers.start, layers.groups, len(layers.head), len(layers.tail)
-    (1, (2, 3, 3), 1, 0)
+    >>> layers.start, layers.groups, layers.folded, len(layers.head), len(layers.tail)
+    (1, (2, 3, 3), 1, 0, 0)
     >>> layers.kda["input_layernorm"]["weight"].shape, layers.mla["input_layernorm"][
-    ...     "weight"].shape
-    ((8, 32), (3, 32))
+    ...     "weight"].shape  # layer 0 and the groups' 8 KDA layers; 3 MLA layers
+    ((9, 32), (3, 32))
+    >>> layers.kda["block_sparse_moe"]["gate"]["weight"].shape  # the groups' MoE: 8 layers
+    (8, 4, 32)
+    >>> layers.fold["mlp"]["gate_proj"]["weight"].shape  # layer 0's dense MLP
+    (1, 128, 32)
     """
 
     head: Any
     kda: Any
     mla: Any
     tail: Any
+    fold: Any
     start: int
     groups: tuple[int, ...]
+    folded: int = 0
 
 
 STACKED = (StackedLayers, GroupedLayers)
@@ -759,20 +797,38 @@ def stack_layer_list(layers: list, config: KimiLinearConfig,
     (``GroupedLayers`` or ``StackedLayers``); ``layers`` itself when nothing repeats.
     ``sharding.stacked_param_specs`` lays out its specs with it.
 
+    A folded layer's MLP (``folded_layers``) is stacked apart from its other entries, so with
+    folded layers the items must be dicts keyed like a layer's parameters. Each layer's id as
+    the leaf of its items:
+
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12)
-    >>> out = stack_layer_list(list(range(12)), cfg, tuple)  # each layer's id as its item
-    >>> out.head, out.kda, out.mla, out.tail
-    ([0], (1, 2, 4, 5, 6, 8, 9, 10), (3, 7, 11), [])
+    >>> items = [{"self_attn": i, ("block_sparse_moe" if i else "mlp"): i} for i in range(12)]
+    >>> out = stack_layer_list(items, cfg, lambda xs: jax.tree.map(lambda *i: i, *xs))
+    >>> out.head, out.kda["self_attn"], out.kda["block_sparse_moe"], out.fold
+    ([], (0, 1, 2, 4, 5, 6, 8, 9, 10), (1, 2, 4, 5, 6, 8, 9, 10), {'mlp': (0,)})
+    >>> out.mla["self_attn"], out.tail
+    ((3, 7, 11), [])
     """
     n = len(layers)
     plan, _ = _plans(config)
     if plan == "groups":
         start, groups, tail = group_plan(config)
+        folded = folded_layers(config)
         run = range(start, n - tail)
         kda = [layers[i] for i in run if config.is_kda_layer(i)]
         mla = [layers[i] for i in run if not config.is_kda_layer(i)]
-        return GroupedLayers(head=list(layers[:start]), kda=stack(kda), mla=stack(mla),
-                             tail=list(layers[n - tail:]), start=start, groups=groups)
+        fold = None
+        if folded:  # their MLPs apart; the rest of them first in the KDA stack
+            head = [_mlp_apart(p) for p in layers[:folded]]
+            parts = [_mlp_apart(p) for p in kda]
+            kda = {**stack([p for p, _ in head] + [p for p, _ in parts]),
+                   **stack([m for _, m in parts])}
+            fold = stack([m for _, m in head])
+        else:
+            kda = stack(kda)
+        return GroupedLayers(head=list(layers[folded:start]), kda=kda, mla=stack(mla),
+                             tail=list(layers[n - tail:]), fold=fold, start=start,
+                             groups=groups, folded=folded)
     start, period, reps = plan = layer_plan(config)
     if reps < 2:
         return layers
@@ -780,6 +836,15 @@ def stack_layer_list(layers: list, config: KimiLinearConfig,
     body = [stack(layers[start + j:end:period]) for j in range(period)]
     return StackedLayers(head=list(layers[:start]), body=body, tail=list(layers[end:]),
                          plan=plan)
+
+
+_MLP_KEYS = ("mlp", "block_sparse_moe")
+
+
+def _mlp_apart(layer: dict) -> tuple[dict, dict]:
+    """A layer dict as ``(everything but its MLP, its MLP)``."""
+    return ({k: v for k, v in layer.items() if k not in _MLP_KEYS},
+            {k: v for k, v in layer.items() if k in _MLP_KEYS})
 
 
 def stack_layers(params: Params, config: KimiLinearConfig) -> Params:
@@ -796,10 +861,10 @@ def stack_layers(params: Params, config: KimiLinearConfig) -> Params:
     >>> params = init_params(cfg, jax.random.key(0))
     >>> stacked = stack_layers(params, cfg)
     >>> layers = stacked["model"]["layers"]  # layer 0, then groups of 2, 3 and 3 KDA + 1 MLA
-    >>> type(layers).__name__, layers.groups, len(layers.head), len(layers.tail)
-    ('GroupedLayers', (2, 3, 3), 1, 0)
-    >>> layers.kda["self_attn"]["q_proj"]["weight"].shape  # layers 1, 2, 4, 5, 6, 8, 9, 10
-    (8, 64, 32)
+    >>> type(layers).__name__, layers.groups, layers.folded, len(layers.head), len(layers.tail)
+    ('GroupedLayers', (2, 3, 3), 1, 0, 0)
+    >>> layers.kda["self_attn"]["q_proj"]["weight"].shape  # layers 0, 1, 2, 4, 5, 6, 8, 9, 10
+    (9, 64, 32)
     >>> back = unstack_layers(stacked)
     >>> jax.tree.all(jax.tree.map(jnp.array_equal, back, params))
     True
@@ -831,13 +896,23 @@ def unstack_layers(params: Params) -> Params:
     """
     layers = params["model"]["layers"]
     if isinstance(layers, GroupedLayers):
-        run, k = [], 0
+        F = layers.folded
+        rest, mlps = _mlp_apart(layers.kda) if F else (layers.kda, {})
+
+        def kda(k):  # the k-th KDA layer of the loop
+            take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+            if not F:
+                return take(rest, k)
+            return {**take(rest, k), **(take(layers.fold, k) if k < F else take(mlps, k - F))}
+
+        run, k = [kda(k) for k in range(F)], F
         for g, count in enumerate(layers.groups):
-            run += [jax.tree.map(lambda x, k=k + j: x[k], layers.kda) for j in range(count)]
+            run += [kda(k + j) for j in range(count)]
             run.append(jax.tree.map(lambda x, g=g: x[g], layers.mla))
             k += count
         return {**params, "model": {**params["model"],
-                                    "layers": [*layers.head, *run, *layers.tail]}}
+                                    "layers": [*run[:F], *layers.head, *run[F:],
+                                               *layers.tail]}}
     if not isinstance(layers, StackedLayers):
         return params
     start, period, reps = layers.plan
@@ -868,7 +943,7 @@ def _rename_transposed(experts: Params, old: str, new: str) -> Params:
 
 def _fuse_kda_in(p: Params) -> Params:
     """A KDA layer's ``self_attn`` with its input projections stacked into ``in_proj``."""
-    attn = p["self_attn"]
+    attn = p.get("self_attn", {})  # ({}: a folded layer's MLP, stacked apart)
     if ("q_conv1d" not in attn or "in_proj" in attn
             or len({attn[n]["weight"].dtype for n in _KDA_IN_PROJ}) > 1):
         return p  # an MLA layer, laid out already, or weights of several dtypes (kept apart)
@@ -879,7 +954,7 @@ def _fuse_kda_in(p: Params) -> Params:
 
 def _split_kda_in(p: Params) -> Params:
     """The inverse of ``_fuse_kda_in``."""
-    attn = p["self_attn"]
+    attn = p.get("self_attn", {})
     if "in_proj" not in attn:
         return p
     parts = jnp.split(attn["in_proj"]["weight"], np.cumsum(_kda_in_sizes(attn))[:-1], axis=-2)
@@ -897,7 +972,8 @@ def _map_layers(params: Params, fn: Callable[[Params], Params]) -> Params:
                                 tail=[fn(p) for p in layers.tail])
     elif isinstance(layers, GroupedLayers):
         layers = layers.replace(head=[fn(p) for p in layers.head], kda=fn(layers.kda),
-                                mla=fn(layers.mla), tail=[fn(p) for p in layers.tail])
+                                mla=fn(layers.mla), tail=[fn(p) for p in layers.tail],
+                                fold=None if layers.fold is None else fn(layers.fold))
     else:
         layers = [fn(p) for p in layers]
     return {**params, "model": {**params["model"], "layers": layers}}
@@ -981,22 +1057,35 @@ def _grouped_forward(layers: GroupedLayers, config: KimiLinearConfig, x, backend
                      comm):
     """``forward``'s layers over ``GroupedLayers``: the head and tail layer by layer, the
     groups as one ``lax.scan`` whose body runs its group's KDA layers in a loop (their count
-    a scanned value) and then its MLA layer. The ``j``-th KDA layer of the groups reaches its
-    pools through ``LayerRef(first KDA id, its KDA index)``, MLA layer ``g`` likewise."""
-    start, groups = layers.start, layers.groups
+    a scanned value; the first group's loop runs the ``folded`` layers before it too) and
+    then its MLA layer. The ``j``-th KDA layer of the loop reaches its pools through
+    ``LayerRef(first KDA id, its KDA index)``, MLA layer ``g`` likewise. A folded layer's MLP
+    is not the groups' kind: the loop picks it with a ``lax.cond`` on ``j``, each branch
+    taking its own weights (only the branch that runs reads them)."""
+    start, groups, F = layers.start, layers.groups, layers.folded
     for i, p in enumerate(layers.head):
-        x, batch = decoder_layer(p, config, i, x, backend, batch, comm)
+        x, batch = decoder_layer(p, config, F + i, x, backend, batch, comm)
     end = start + sum(groups) + len(groups)
-    kda_ids = [i for i in range(start, end) if config.is_kda_layer(i)]
+    kda_ids = [*range(F), *(i for i in range(start, end) if config.is_kda_layer(i))]
     mla_ids = [i for i in range(start, end) if not config.is_kda_layer(i)]
     kda0 = config.kda_layer_ids.index(kda_ids[0])
     mla0 = config.full_attention_layer_ids.index(mla_ids[0])
-    kda = layers.kda
+    rest, mlps = _mlp_apart(layers.kda)
+    index = lambda tree, j: jax.tree.map(  # noqa: E731
+        lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree)
 
     def kda_layer(j, carry):
-        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), kda)
-        return decoder_layer(p, config, LayerRef(kda_ids[0], kda0 + j), carry[0], backend,
-                             carry[1], comm)
+        x, h, batch = _attend(index(rest, j), config, LayerRef(kda_ids[0], kda0 + j),
+                              carry[0], backend, carry[1], comm)
+
+        def mlp(tree, k, layer):
+            return lambda h: _mlp(index(tree, k), config, layer, h, comm)
+
+        if F:
+            m = jax.lax.cond(j < F, mlp(layers.fold, j, 0), mlp(mlps, j - F, kda_ids[F]), h)
+        else:
+            m = mlp(mlps, j, kda_ids[0])(h)
+        return x + m, batch
 
     def group(carry, xs):
         first, count, g, p = xs
@@ -1006,6 +1095,7 @@ def _grouped_forward(layers: GroupedLayers, config: KimiLinearConfig, x, backend
         return (x, batch), None
 
     counts = np.asarray(groups, np.int32)
+    counts[0] += F
     firsts = np.cumsum(counts, dtype=np.int32) - counts
     (x, batch), _ = jax.lax.scan(
         group, (x, batch), (jnp.asarray(firsts), jnp.asarray(counts),
@@ -1592,7 +1682,7 @@ def save_pretrained(params: Params, config: KimiLinearConfig, path: str | os.Pat
 __all__ = [
     "STACKED", "GroupedLayers", "StackedLayers", "apply", "check_params", "checkpoint_layout",
     "compiled_layers", "compute_logits", "dense_mlp", "decoder_layer",
-    "forward", "from_checkpoint", "group_plan",
+    "folded_layers", "forward", "from_checkpoint", "group_plan",
     "init_params", "kda_attention", "layer_plan", "load", "load_tokenizer", "mla_attention",
     "mla_split", "param_shapes",
     "rms_norm", "route", "routed_experts", "save_pretrained", "serving_layout", "sparse_moe",
