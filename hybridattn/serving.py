@@ -503,10 +503,12 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = temperatures > 0
+    needs_sort = jnp.any(sampling & ((top_ks > 0) | (top_ps < 1)))
     temps = jnp.maximum(temperatures, 1e-6)[:, None]
+    B, V = logits.shape
 
-    def filtered(_):  # top-k / top-p need the logits sorted
-        B, V = logits.shape
+    def kept(_):  # top-k / top-p need the logits sorted
         order = jnp.argsort(-logits, axis=-1)
         scaled = jnp.take_along_axis(logits, order, axis=-1) / temps
         rank = jnp.arange(V)[None]
@@ -516,23 +518,19 @@ def sample(
         # everything (the f32 running sum may round)
         keep &= (((jnp.cumsum(probs, axis=-1) - probs) < top_ps[:, None])
                  | (top_ps[:, None] >= 1) | (rank == 0))
-        # back to vocabulary order, so that a row without filters draws exactly as plain()
-        keep = jnp.zeros_like(keep).at[jnp.arange(B)[:, None], order].set(keep)
-        masked = jnp.where(keep, logits / temps, -jnp.inf)
-        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.zeros_like(keep).at[jnp.arange(B)[:, None], order].set(keep)  # vocab order
 
-    def plain(_):  # temperature only: no sort
-        return jax.vmap(jax.random.categorical)(keys, logits / temps).astype(jnp.int32)
+    def drawn(_):
+        # jax.random.categorical(key, x) is argmax(gumbel(key) + x): one draw of the noise
+        # serves the filtered rows and the others (a row without filters draws exactly as
+        # with none), and the sort runs only when some row filters
+        keep = jax.lax.cond(needs_sort, kept, lambda _: jnp.ones((B, V), bool), None)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        return jnp.argmax(noise + jnp.where(keep, logits / temps, -jnp.inf),
+                          axis=-1).astype(jnp.int32)
 
-    sampling = temperatures > 0
-    needs_sort = jnp.any(sampling & ((top_ks > 0) | (top_ps < 1)))
-    drawn = jax.lax.cond(
-        jnp.any(sampling),
-        lambda _: jax.lax.cond(needs_sort, filtered, plain, None),
-        lambda _: greedy,
-        None,
-    )
-    return jnp.where(sampling, drawn, greedy)
+    tokens = jax.lax.cond(jnp.any(sampling), drawn, lambda _: greedy, None)
+    return jnp.where(sampling, tokens, greedy)
 
 
 def request_keys(

@@ -594,6 +594,33 @@ def test_sampler_filters_and_distribution():
         np.testing.assert_allclose(got, want, atol=0.03, err_msg=str((t, tk, tp)))
 
 
+def test_each_row_draws_what_jax_random_categorical_draws_with_its_key():
+    """A sampled row's token is ``jax.random.categorical`` of its key over its logits scaled
+    by its temperature, with the tokens top-k / top-p drop at -inf (their set from the float64
+    reference), whatever the other rows do: rows with and without filters in one batch."""
+    rng = np.random.default_rng(2)
+    V = 16
+    temps = np.array([0.0, 0.7, 1.0, 1.3, 0.9, 1.0], np.float32)
+    top_ks = np.array([0, 0, 5, 0, 3, 0], np.int32)
+    top_ps = np.array([1.0, 1.0, 1.0, 0.8, 0.9, 1.0], np.float32)
+    sample = jax.jit(S.sample)
+    for trial in range(20):
+        logits = (rng.normal(size=(6, V)) * 2).astype(np.float32)
+        keys = S.request_keys(jax.random.key(7), jnp.arange(6), jnp.full(6, trial))
+        rows = range(6) if trial % 2 else range(1, 6, 2)  # with and without filtered rows
+        sel = np.array(list(rows))
+        got = np.asarray(sample(jnp.asarray(logits[sel]), jnp.asarray(temps[sel]),
+                                jnp.asarray(top_ks[sel]), jnp.asarray(top_ps[sel]), keys[sel]))
+        for j, b in enumerate(sel):
+            if temps[b] == 0:
+                assert got[j] == int(np.argmax(logits[b]))
+                continue
+            support = testing.ref_sample_probs(logits[b], float(temps[b]), int(top_ks[b]),
+                                               float(top_ps[b])) > 0
+            x = jnp.where(jnp.asarray(support), jnp.asarray(logits[b]) / temps[b], -jnp.inf)
+            assert got[j] == int(jax.random.categorical(keys[b], x)), (trial, b)
+
+
 def test_sampling_keys_depend_on_seed_and_position_only():
     base = jax.random.key(0)
     k1 = S.request_keys(base, jnp.array([3, 4]), jnp.array([10, 10]))
