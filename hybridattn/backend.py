@@ -37,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from hybridattn._pytree import pytree_dataclass
 from hybridattn.config import KimiLinearConfig
 from hybridattn.mla import mla_decode, mla_extend, ref_mla_decode, ref_mla_extend
-from hybridattn.ops import kda_chunked, kda_decode, l2norm, short_conv
+from hybridattn.ops import kda_chunked, kda_decode, kda_recurrent, l2norm, short_conv
 from hybridattn.pools import (
     HybridReqToTokenPool,
     LayerRef,
@@ -702,7 +702,10 @@ class KDAAttnBackend:
         v_conv: Float[Array, "HkDv 1 K"] | Float[Array, "HkDv K"],
     ) -> tuple[Float[Array, "T Hk Dv"], ForwardBatch]:
         """Run the packed requests (short conv, L2 norm, :func:`kda_chunked`), starting from
-        their pooled states where they have a cached prefix: ``(out, batch)``."""
+        their pooled states where they have a cached prefix: ``(out, batch)``. On a CPU a
+        batch whose requests extend by at most ``RECURRENT_MAX_EXTEND`` tokens and that takes
+        no snapshot runs :func:`kda_recurrent` over the requests side by side instead
+        (``_packed_recurrent``): faster there at these lengths, and a much smaller program."""
         md = self._md()
         T = q.shape[0]
         layer_id, weight, mixed = self._prepare(layer, T, q, k, v, g, beta, q_conv, k_conv, v_conv)
@@ -713,11 +716,17 @@ class KDAAttnBackend:
         y, conv1 = short_conv(mixed[None], weight, conv0, cu_seqlens=md.cu_seqlens)
         qh, kh, vh = self._split_heads(y[0], T)
         snapshots = md.snapshot_slots is not None
-        o, ssm1, *cs = kda_chunked(
-            qh[None], kh[None], vh[None], g[None], beta[None], initial_state=ssm0,
-            chunk_size=self.chunk_size, cu_seqlens=md.cu_seqlens,
-            return_chunk_states=snapshots,
-        )
+        if (not snapshots and batch.max_extend_len <= RECURRENT_MAX_EXTEND
+                and jax.default_backend() == "cpu"):
+            o, ssm1 = _packed_recurrent(qh, kh, vh, g, beta, ssm0, md.cu_seqlens,
+                                        batch.max_extend_len)
+            o, cs = o[None], ()
+        else:
+            o, ssm1, *cs = kda_chunked(
+                qh[None], kh[None], vh[None], g[None], beta[None], initial_state=ssm0,
+                chunk_size=self.chunk_size, cu_seqlens=md.cu_seqlens,
+                return_chunk_states=snapshots,
+            )
         pool = set_states(pool, layer_id, idx, conv1, ssm1)
         if snapshots:
             conv_s, ssm_s = self._snapshot_states(md, cs[0], mixed, conv0, ssm0, ssm1,
@@ -799,6 +808,39 @@ class KDAAttnBackend:
         if batch.forward_mode == ForwardMode.DECODE:
             return self.forward_decode(layer, batch, **inputs)
         return self.forward_extend(layer, batch, **inputs)
+
+
+RECURRENT_MAX_EXTEND = 64
+"""The longest extend (``ForwardBatch.max_extend_len``) that ``KDAAttnBackend`` runs with
+:func:`kda_recurrent` on a CPU (when the batch takes no snapshot). Measured on a 2-core CPU at
+4 heads of 64 (one request, ``kda_recurrent`` against ``kda_chunked``, its chunk 64): 16
+tokens 0.19 against 0.81 ms, 64 tokens 0.66 against 0.92 ms, 8 requests of 64 tokens 11.9
+against 17.5 ms; at 4 requests of 256 tokens the two are level. Compiling the recurrence is
+about a fifth of the chunked form's (0.34 against 1.75 s for one call)."""
+
+
+def _packed_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, max_len: int):
+    """:func:`kda_recurrent` over packed requests: ``(o [T, H, Dv], final [N, H, Dk, Dv])``
+    for the ``N`` sequences of ``cu_seqlens`` (``[N + 1]``, the last one the batch's padding),
+    each of the first ``N - 1`` at most ``max_len`` tokens. Their tokens are laid side by side
+    as ``[N - 1, max_len]`` with neutral tokens after each request's end (``k = v = 0``, ``g =
+    0``, ``beta = 0``: the state passes unchanged), so every request's output and final state
+    are those of the recurrence over its own tokens. The padding sequence is not run: its
+    tokens' outputs are 0 and its final state is its initial one (the sink slot's)."""
+    T = q.shape[0]
+    start, lens = cu_seqlens[:-2], cu_seqlens[1:-1] - cu_seqlens[:-2]
+    i = jnp.arange(max_len, dtype=jnp.int32)
+    live = i[None, :] < lens[:, None]  # [R, max_len]
+    tok = jnp.where(live, start[:, None] + i[None, :], T)  # T: a neutral token (dropped)
+
+    def side_by_side(x):  # [T, ...] -> [R, max_len, ...], zero past each request's end
+        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+        return x[tok]
+
+    o, final = kda_recurrent(*(side_by_side(x) for x in (q, k, v, g, beta)),
+                             initial_state=initial_state[:-1])
+    out = jnp.zeros((T + 1,) + o.shape[2:], o.dtype).at[tok].set(o)[:T]
+    return out, jnp.concatenate([final, initial_state[-1:]])
 
 
 def _initial_states(pool, layer_id, idx, has, dtype):

@@ -277,7 +277,13 @@ def _kda_reference(x, conv, pad_to=32):
     return np.asarray(_kda_reference_padded(padded, conv)[:n])
 
 
-def test_kda_ragged_batch_with_prefix_state_equals_per_request_recurrent():
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_kda_ragged_batch_with_prefix_state_equals_per_request_recurrent(form, monkeypatch):
+    """Both forms of the extend: ``kda_chunked`` over the packed requests, and on a CPU for
+    short extends (``RECURRENT_MAX_EXTEND``) ``kda_recurrent`` over them side by side."""
+    from hybridattn import backend as B
+
+    monkeypatch.setattr(B, "RECURRENT_MAX_EXTEND", 0 if form == "chunked" else 64)
     cfg = KimiLinearConfig.tiny()
     h = Harness(cfg, chunk=8)
     L = cfg.kda_layer_ids[1]
