@@ -3,6 +3,7 @@
     python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
                                      [--compile-layers 4 12 27] [--plot DIR]
+                                     [--compile-baseline PATH [--compile-rounds 3]]
     python -m hybridattn.bench serve --mesh 2x4 [--json] [--quick]
     python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench longctx [--json] [--quick] [--compare-chunk N] [--plot DIR]
@@ -49,7 +50,10 @@ step (trace, lower, XLA compile) against the layer count, on
 ``KimiLinearConfig.tiny(num_hidden_layers=n)`` for ``--compile-layers`` (default 4 12 27;
 ``--quick`` 4 12), for its smallest prefill and its decode bucket; and a 24-token prefill
 against a 1024-token one on one engine with the default bucket ladders, beside issue 20's
-target (the small one at most 1/25 of the large).
+target (the small one at most 1/25 of the large). ``--compile-baseline PATH`` (a checkout of
+another revision, e.g. ``git worktree add /tmp/base 64f4e51``, main when issue 20 was filed)
+compiles the same two buckets of the largest ``--compile-layers`` model with that checkout's
+step and with this one's, each in a fresh process, alternating, ``--compile-rounds`` times.
 
 ``serve --mesh DxT``: the serving step sharded over a ``(data, tensor)`` mesh of ``D*T`` CPU
 devices (``hybridattn.sharding``; ``jax_num_cpu_devices`` is set before JAX starts) on the
@@ -90,7 +94,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -657,17 +663,85 @@ def _compile_vs_layers(layers) -> list[dict]:
     return rows
 
 
+_COMPILE_STEP = r"""
+import json, sys, time
+import jax
+from hybridattn import engine as E
+from hybridattn.backend import ForwardMode
+from hybridattn.config import KimiLinearConfig
+from hybridattn.models import kimi_linear as M
+from hybridattn.scheduler import bucket
+from hybridattn.serving import WorkItem, make_worker_batch
+
+cfg = KimiLinearConfig.tiny(num_hidden_layers=int(sys.argv[1]))
+e = E.Engine(cfg, M.init_params(cfg, jax.random.key(0)), max_running_requests=1,
+             max_context_len=64, num_token_slots=65, prefix_cache=False)
+step = e._jit.step if hasattr(e, "_jit") else E._step  # a module-level jit before 2026-12-02
+W, T = bucket(1, e.kv_buckets, "width"), bucket(1, e.token_buckets, "tokens")
+out = {}
+for kind, mode, first, n, Q in (("prefill", ForwardMode.EXTEND, 0, T, T),
+                                ("decode", ForwardMode.DECODE, 1, 1, 1)):
+    batch = make_worker_batch(
+        [WorkItem(1, first, [1])], vocab_size=cfg.vocab_size, max_context_len=e.max_context_len,
+        forward_mode=mode, num_requests=1, num_tokens=n, kv_width=W, max_extend_len=Q,
+        snapshot_chunk=e.scheduler.chunk_size)
+    t0 = time.perf_counter()
+    step.trace(e.params, e.state, batch).lower().compile()
+    out[kind] = time.perf_counter() - t0
+print(json.dumps(out))
+"""
+"""What ``--compile-baseline`` runs in a fresh process on either checkout: trace, lower and
+XLA compile of the default engine's step for its smallest prefill and its decode bucket
+(``_compile_vs_layers``' buckets), on ``KimiLinearConfig.tiny(num_hidden_layers=argv[1])``."""
+
+
+def _compile_step_in(root: str, layers: int) -> dict:
+    """``_COMPILE_STEP`` in a fresh Python with ``root``'s ``hybridattn`` first on the path:
+    seconds per bucket."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_STEP, str(layers)], env=env,
+                         capture_output=True, text=True, cwd=root)
+    if out.returncode:
+        raise RuntimeError(f"compiling the step of {root} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compile_against(baseline: str, layers: int, rounds: int) -> dict:
+    """The step's compile seconds on ``baseline`` (a checkout of another revision) and on this
+    checkout, each in a fresh process, alternating ``rounds`` times: medians, and the paired
+    ratios ours / baseline (median, min, max)."""
+    import hybridattn
+
+    ours_root = os.path.dirname(os.path.dirname(os.path.abspath(hybridattn.__file__)))
+    rev = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    runs: dict[str, list[dict]] = {"baseline": [], "ours": []}
+    for _ in range(rounds):
+        runs["baseline"].append(_compile_step_in(os.path.abspath(baseline), layers))
+        runs["ours"].append(_compile_step_in(ours_root, layers))
+    total = {k: [sum(r.values()) for r in v] for k, v in runs.items()}
+    ratios = [o / b for o, b in zip(total["ours"], total["baseline"], strict=True)]
+    return dict(baseline=os.path.abspath(baseline),
+                revision=rev.stdout.strip() if rev.returncode == 0 else None, layers=layers,
+                rounds=rounds, baseline_s=_median(total["baseline"]), ours_s=_median(total["ours"]),
+                runs=runs, ratio=_median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+
+
 def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 16,
                 repeats: int = 2, transformers: bool = True, config=None,
                 progress: bool = False, compile_layers=COMPILE_LAYERS,
                 small_prefill: tuple[int, int] | None = (24, 1024),
-                device_rounds: int = 20, decode_steps: int | None = None) -> dict:
+                device_rounds: int = 20, decode_steps: int | None = None,
+                compile_baseline: str | None = None, compile_rounds: int = 3) -> dict:
     """Run the serve benchmark (see the module docstring). ``decode_steps``: our engine's
     decode steps per dispatch (None: its default). ``compile_layers``: the layer
     counts of the compile-time rows (empty: none); ``small_prefill``: the (small, large)
     prompt lengths whose prefill steps are compared (None: not measured);
     ``device_rounds``: runs of the decode step alone (a quarter of them, at least 3, for
-    the prefill step)."""
+    the prefill step); ``compile_baseline``: a checkout whose step's compile time the largest
+    of ``compile_layers`` is compared with (``_compile_against``, ``compile_rounds``
+    rounds)."""
     from hybridattn import serve_anchors as A
     from hybridattn.models import kimi_linear as M
 
@@ -717,6 +791,10 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                                               rounds=max(3, 2 * repeats + 1))
     if compile_layers:
         res["compile_vs_layers"] = _compile_vs_layers(compile_layers)
+    if compile_baseline:
+        res["compile_baseline"] = _compile_against(compile_baseline,
+                                                   max(compile_layers or COMPILE_LAYERS),
+                                                   compile_rounds)
     return res
 
 
@@ -1465,6 +1543,14 @@ def _print_serve_steps(res: dict) -> None:
               f"{big['layers']} layers the scanned step compiles in "
               f"{big['scanned_over_unrolled']:.2f} of the unrolled time (target 1/3 or less: "
               f"{'holds' if big['scanned_over_unrolled'] <= 1 / 3 else 'MISSED'})")
+    cb = res.get("compile_baseline")
+    if cb:
+        print(f"\ncompile s of the step against a baseline checkout ({cb['baseline']}, "
+              f"{cb['revision'] or 'revision unknown'}), {cb['layers']} layers, the same two "
+              f"buckets,\neach in a fresh process, {cb['rounds']} alternating rounds (medians): "
+              f"baseline {cb['baseline_s']:.2f}, ours {cb['ours_s']:.2f}; ours / baseline "
+              f"{cb['ratio']:.3f} (paired, {cb['ratio_min']:.3f}-{cb['ratio_max']:.3f}; "
+              f"target 1/3 or less: {'holds' if cb['ratio_max'] <= 1 / 3 else 'MISSED'})")
     if res.get("compilation_cache_dir"):
         print(f"note: JAX's compilation cache is on ({res['compilation_cache_dir']}): compile "
               "times may be cache loads")
@@ -1499,6 +1585,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--compile-layers", type=int, nargs="*", default=None, metavar="N",
                     help="layer counts to time the step's compilation at (default: 4 12 27; "
                          "--quick: 4 12; none given: skip)")
+    sv.add_argument("--compile-baseline", default=None, metavar="PATH",
+                    help="a checkout of another revision: compile its step and ours for the "
+                         "largest --compile-layers, each in a fresh process, and compare")
+    sv.add_argument("--compile-rounds", type=int, default=3, metavar="N",
+                    help="alternating rounds of --compile-baseline (default 3)")
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
     px.add_argument("--json", action="store_true", help="print JSON instead of a table")
     px.add_argument("--quick", action="store_true", help="one timed round")
@@ -1570,7 +1661,9 @@ def main(argv: list[str] | None = None) -> int:
                                  transformers=not args.no_transformers, progress=True,
                                  compile_layers=tuple(layers),
                                  device_rounds=10 if args.quick else 30,
-                                 decode_steps=args.decode_steps),
+                                 decode_steps=args.decode_steps,
+                                 compile_baseline=args.compile_baseline,
+                                 compile_rounds=args.compile_rounds),
                      args.json, table, args.what, args.plot)
     if args.what == "kda":
         devices = default_devices() if args.devices is None else args.devices
