@@ -709,17 +709,20 @@ def _compile_step_in(root: str, layers: int) -> dict:
 
 def _compile_against(baseline: str, layers: int, rounds: int) -> dict:
     """The step's compile seconds on ``baseline`` (a checkout of another revision) and on this
-    checkout, each in a fresh process, alternating ``rounds`` times: medians, and the paired
-    ratios ours / baseline (median, min, max)."""
+    checkout, each in a fresh process, ``rounds`` rounds (which goes first alternates):
+    medians, and the paired ratios ours / baseline (median, min, max)."""
     import hybridattn
 
+    if rounds < 1:
+        raise ValueError(f"compile rounds must be at least 1, got {rounds}")
     ours_root = os.path.dirname(os.path.dirname(os.path.abspath(hybridattn.__file__)))
     rev = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)
     runs: dict[str, list[dict]] = {"baseline": [], "ours": []}
-    for _ in range(rounds):
-        runs["baseline"].append(_compile_step_in(os.path.abspath(baseline), layers))
-        runs["ours"].append(_compile_step_in(ours_root, layers))
+    roots = {"baseline": os.path.abspath(baseline), "ours": ours_root}
+    for r in range(rounds):
+        for side in (("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")):
+            runs[side].append(_compile_step_in(roots[side], layers))
     total = {k: [sum(r.values()) for r in v] for k, v in runs.items()}
     ratios = [o / b for o, b in zip(total["ours"], total["baseline"], strict=True)]
     return dict(baseline=os.path.abspath(baseline),
@@ -1547,7 +1550,8 @@ def _print_serve_steps(res: dict) -> None:
     if cb:
         print(f"\ncompile s of the step against a baseline checkout ({cb['baseline']}, "
               f"{cb['revision'] or 'revision unknown'}), {cb['layers']} layers, the same two "
-              f"buckets,\neach in a fresh process, {cb['rounds']} alternating rounds (medians): "
+              f"buckets,\neach in a fresh process, {cb['rounds']} rounds, the first "
+              f"alternating (medians): "
               f"baseline {cb['baseline_s']:.2f}, ours {cb['ours_s']:.2f}; ours / baseline "
               f"{cb['ratio']:.3f} (paired, {cb['ratio_min']:.3f}-{cb['ratio_max']:.3f}; "
               f"target 1/3 or less: {'holds' if cb['ratio_max'] <= 1 / 3 else 'MISSED'})")
@@ -1655,6 +1659,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(n < 2 for n in layers):
             p.error(f"--compile-layers {' '.join(map(str, layers))}: each must be at least 2 "
                     "(a hybrid model has a KDA and an MLA layer)")
+        if args.compile_rounds < 1:
+            p.error(f"--compile-rounds {args.compile_rounds}: must be at least 1")
         return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                  repeats=1 if args.quick else 2,

@@ -86,3 +86,5 @@ def test_compile_against_a_baseline_checkout_runs_both_in_fresh_processes(capsys
     assert "ours / baseline" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="compiling the step of"):
         bench._compile_step_in(root, 0)  # no model has 0 layers
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        bench._compile_against(root, 2, rounds=0)
