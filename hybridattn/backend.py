@@ -37,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from hybridattn._pytree import pytree_dataclass
 from hybridattn.config import KimiLinearConfig
 from hybridattn.mla import mla_decode, mla_extend, ref_mla_decode, ref_mla_extend
-from hybridattn.ops import kda_chunked, kda_decode, kda_recurrent, l2norm, short_conv
+from hybridattn.ops import _recurrent_steps, kda_chunked, kda_decode, l2norm, short_conv
 from hybridattn.pools import (
     HybridReqToTokenPool,
     LayerRef,
@@ -815,8 +815,9 @@ RECURRENT_MAX_EXTEND = 64
 :func:`kda_recurrent` on a CPU (when the batch takes no snapshot). Measured on a 2-core CPU at
 4 heads of 64 (one request, ``kda_recurrent`` against ``kda_chunked``, its chunk 64): 16
 tokens 0.19 against 0.81 ms, 64 tokens 0.66 against 0.92 ms, 8 requests of 64 tokens 11.9
-against 17.5 ms; at 4 requests of 256 tokens the two are level. Compiling the recurrence is
-about a fifth of the chunked form's (0.34 against 1.75 s for one call)."""
+against 17.5 ms; at 4 requests of 256 tokens the two are level (``kda_recurrent`` over the
+whole bucket; the extend stops after its longest request). Compiling the recurrence is about
+a fifth of the chunked form's (0.34 against 1.75 s for one call)."""
 
 
 def _packed_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, max_len: int):
@@ -825,21 +826,23 @@ def _packed_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, max_len: int)
     each of the first ``N - 1`` at most ``max_len`` tokens. Their tokens are laid side by side
     as ``[N - 1, max_len]`` with neutral tokens after each request's end (``k = v = 0``, ``g =
     0``, ``beta = 0``: the state passes unchanged), so every request's output and final state
-    are those of the recurrence over its own tokens. The padding sequence is not run: its
-    tokens' outputs are 0 and its final state is its initial one (the sink slot's)."""
+    are those of the recurrence over its own tokens; the loop stops after the longest request
+    (a 24-token prompt in the 64-token bucket runs 24 steps). The padding sequence is not run:
+    its tokens' outputs are 0 and its final state is its initial one (the sink slot's)."""
     T = q.shape[0]
     start, lens = cu_seqlens[:-2], cu_seqlens[1:-1] - cu_seqlens[:-2]
     i = jnp.arange(max_len, dtype=jnp.int32)
     live = i[None, :] < lens[:, None]  # [R, max_len]
     tok = jnp.where(live, start[:, None] + i[None, :], T)  # T: a neutral token (dropped)
 
-    def side_by_side(x):  # [T, ...] -> [R, max_len, ...], zero past each request's end
-        x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
-        return x[tok]
+    def side_by_side(x):  # [T, ...] -> [max_len, R, ...] (time-major), zero past each end
+        x = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1,) + x.shape[1:], jnp.float32)])
+        return x[tok.T]
 
-    o, final = kda_recurrent(*(side_by_side(x) for x in (q, k, v, g, beta)),
-                             initial_state=initial_state[:-1])
-    out = jnp.zeros((T + 1,) + o.shape[2:], o.dtype).at[tok].set(o)[:T]
+    o, final = _recurrent_steps(*(side_by_side(x) for x in (q, k, v, g, beta)),
+                                initial_state[:-1], jnp.max(lens))
+    out = jnp.zeros((T + 1,) + o.shape[2:], v.dtype).at[tok].set(
+        jnp.swapaxes(o, 0, 1).astype(v.dtype))[:T]
     return out, jnp.concatenate([final, initial_state[-1:]])
 
 

@@ -250,6 +250,25 @@ def kda_recurrent(
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), final
 
 
+def _recurrent_steps(q, k, v, g, beta, initial_state, steps):
+    """``kda_recurrent`` over the first ``steps`` (a traced int at most ``T``) of ``T``
+    time-major f32 inputs (``[T, B, H, D]``): ``(o [T, B, H, Dv], final)``, ``o`` zero past
+    ``steps``. Where every token past ``steps`` is neutral (``k = 0``, ``g = 0``) that is
+    ``kda_recurrent`` over all ``T`` exactly: such a token leaves the state as it is and
+    outputs ``q . S``, zero for ``q = 0``."""
+    scale = _default_scale(None, q.shape[-1])
+    out = _varying_like(jnp.zeros(v.shape, jnp.float32), q, k, v, g, beta)
+    state = _varying_like(initial_state.astype(jnp.float32), q, k, v, g, beta)
+
+    def body(t, carry):
+        state, out = carry
+        state, o = _kda_step(state, q[t], k[t], v[t], g[t], beta[t], scale)
+        return state, jax.lax.dynamic_update_index_in_dim(out, o, t, 0)
+
+    state, out = jax.lax.fori_loop(0, steps, body, (state, out))
+    return out, state
+
+
 def kda_decode(
     q: Float[Array, "B H Dk"],
     k: Float[Array, "B H Dk"],

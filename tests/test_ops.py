@@ -480,3 +480,20 @@ def test_bench_flop_count_matches_the_kernels_matmuls(T, C, Dv):
     jaxpr = jax.make_jaxpr(functools.partial(ops.kda_chunked, chunk_size=C))(q, k, v, g, beta)
     counted = _dot_flops(jaxpr.jaxpr)
     assert counted == pytest.approx(chunked_flops(T, Hb, Dk, Dv, C), rel=0.01)
+
+
+@pytest.mark.parametrize("steps", [0, 3, 7])
+def test_recurrence_stopped_after_the_last_live_token_equals_the_whole_recurrence(steps):
+    """``ops._recurrent_steps`` (the CPU short-extend path of ``KDAAttnBackend``) over the
+    first ``steps`` tokens, the rest neutral (``q = k = v = g = beta = 0``): the state and the
+    outputs are ``kda_recurrent``'s over all of them (bit for bit on a CPU; to rounding
+    elsewhere)."""
+    q, k, v, g, beta, s0 = make_inputs(5, 2, 7)
+    live = (jnp.arange(7) < steps)[None, :, None]
+    q, k, v, g = (jnp.where(live[..., None], x, 0) for x in (q, k, v, g))
+    beta = jnp.where(live, beta, 0)
+    want_o, want_s = ops.kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    t_major = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
+    o, s = jax.jit(ops._recurrent_steps)(*map(t_major, (q, k, v, g, beta)), s0, steps)
+    np.testing.assert_allclose(np.asarray(jnp.moveaxis(o, 0, 1)), np.asarray(want_o), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(want_s), atol=1e-6)
