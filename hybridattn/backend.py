@@ -704,8 +704,9 @@ class KDAAttnBackend:
         """Run the packed requests (short conv, L2 norm, :func:`kda_chunked`), starting from
         their pooled states where they have a cached prefix: ``(out, batch)``. On a CPU a
         batch whose requests extend by at most ``RECURRENT_MAX_EXTEND`` tokens and that takes
-        no snapshot runs :func:`kda_recurrent` over the requests side by side instead
-        (``_packed_recurrent``): faster there at these lengths, and a much smaller program."""
+        no snapshot runs the recurrence of :func:`kda_recurrent` over the requests side by
+        side instead (``_packed_recurrent``): faster there at these lengths, and a much
+        smaller program."""
         md = self._md()
         T = q.shape[0]
         layer_id, weight, mixed = self._prepare(layer, T, q, k, v, g, beta, q_conv, k_conv, v_conv)
@@ -720,13 +721,13 @@ class KDAAttnBackend:
                 and jax.default_backend() == "cpu"):
             o, ssm1 = _packed_recurrent(qh, kh, vh, g, beta, ssm0, md.cu_seqlens,
                                         batch.max_extend_len)
-            o, cs = o[None], ()
         else:
             o, ssm1, *cs = kda_chunked(
                 qh[None], kh[None], vh[None], g[None], beta[None], initial_state=ssm0,
                 chunk_size=self.chunk_size, cu_seqlens=md.cu_seqlens,
                 return_chunk_states=snapshots,
             )
+            o = o[0]
         pool = set_states(pool, layer_id, idx, conv1, ssm1)
         if snapshots:
             conv_s, ssm_s = self._snapshot_states(md, cs[0], mixed, conv0, ssm0, ssm1,
@@ -734,7 +735,7 @@ class KDAAttnBackend:
             snap_pool = set_states(batch.snapshot_pool, layer_id, md.snapshot_slots, conv_s,
                                    ssm_s)
             batch = batch.replace(snapshot_pool=snap_pool)
-        return o[0].astype(v.dtype), batch.replace(recurrent_state_pool=pool)
+        return o.astype(v.dtype), batch.replace(recurrent_state_pool=pool)
 
     def _snapshot_states(self, md, cs, mixed, conv0, ssm0, ssm1, inputs):
         """Conv and recurrent states of each snapshot: request ``b`` after ``off`` tokens of

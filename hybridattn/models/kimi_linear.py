@@ -748,8 +748,9 @@ def _plans(config: KimiLinearConfig) -> tuple[str | None, int]:
     start, groups, tail = group_plan(config)
     looped = period * reps if reps >= 2 else 0
     by_period = n - looped + period if looped else n
-    if groups and start - folded_layers(config) + 2 + tail < by_period and 2 * looped >= n:
-        return "groups", start - folded_layers(config) + 2 + tail
+    by_groups = start - folded_layers(config) + 2 + tail
+    if groups and by_groups < by_period and 2 * looped >= n:
+        return "groups", by_groups
     return ("period", by_period) if looped else (None, n)
 
 
@@ -897,12 +898,12 @@ def unstack_layers(params: Params) -> Params:
     layers = params["model"]["layers"]
     if isinstance(layers, GroupedLayers):
         F = layers.folded
-        rest, mlps = _mlp_apart(layers.kda) if F else (layers.kda, {})
+        rest, mlps = _mlp_apart(layers.kda)
+
+        def take(tree, i):
+            return jax.tree.map(lambda x: x[i], tree)
 
         def kda(k):  # the k-th KDA layer of the loop
-            take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
-            if not F:
-                return take(rest, k)
             return {**take(rest, k), **(take(layers.fold, k) if k < F else take(mlps, k - F))}
 
         run, k = [kda(k) for k in range(F)], F
