@@ -26,7 +26,10 @@ weights with its own batched cache, and transformers' ``KimiLinearForCausalLM.ge
 torch is installed (``pip install -e '.[bench]'``); greedy tokens are compared, compile counts
 and times reported, and our decode step time is set against the memory-bandwidth floor (bytes
 of weights and state a step must read, over this machine's measured bandwidth) and the compute
-floor (the products a step cannot skip, over this machine's f32 matmul peak). Where our
+floor (the products a step cannot skip, over this machine's f32 matmul peak), and beside them
+the step's matrix products alone, timed on this backend
+(``serve_anchors.products_step_seconds``: what those bounds become here, where skinny
+products run far below the peak; the small prefill gets the same figure). Where our
 step's time goes, per prefill and per decode step (medians over the timed rounds, each
 divided by the steps it ran: our engine decodes ``decode_steps`` steps per dispatch, its
 default or ``--decode-steps N``):
@@ -579,7 +582,10 @@ def _small_prefill(config, params, small: int = 24, large: int = 1024,
     """One prompt of ``small`` and one of ``large`` tokens, each prefilled in one step of an
     engine with the default bucket ladders (``chunked_prefill_size=large``, one request
     row): median seconds of each prefill step over ``rounds`` interleaved rounds after a
-    compiling one, and how many times the small one fits in the large one."""
+    compiling one, and how many times the small one fits in the large one; and the matrix
+    products alone of ``small`` tokens (``serve_anchors.products_step_seconds``), the least
+    the small prefill can cost on this backend."""
+    from hybridattn import serve_anchors
     from hybridattn.engine import Engine
 
     engine = Engine(config, params, max_running_requests=1, max_context_len=large,
@@ -596,8 +602,11 @@ def _small_prefill(config, params, small: int = 24, large: int = 1024,
             engine.generate([p], 1)
             times[n].append(engine.stats.prefill_seconds)
     small_s, large_s = _median(times[small]), _median(times[large])
+    # the small prefill's matrix products alone, on exactly its tokens (no bucket padding)
+    products_s = serve_anchors.products_step_seconds(config, small)
     return dict(small_tokens=small, large_tokens=large, rounds=rounds, small_s=small_s,
                 large_s=large_s, small_fraction=small_s / large_s,
+                small_products_s=products_s, large_over_small_products=large_s / products_s,
                 large_over_small=large_s / small_s, token_ratio=large / small,
                 target_large_over_small=SMALL_PREFILL_TARGET,
                 holds=large_s / small_s >= SMALL_PREFILL_TARGET,
@@ -784,6 +793,7 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
         flops = A.decode_flops_per_step(config, B, prompt_len + new_tokens // 2)
         row["decode_flops"] = flops["total"]
         row["decode_compute_floor_s"] = flops["total"] / (peak * 1e9)
+        row["decode_products_s"] = A.products_step_seconds(config, B)
         row["ours_sync"]["tokens_equal_ours"] = row["ours_sync"]["tokens"] == ours_tokens
         for r in (row["ours"], row["ours_sync"], row["mlx_lm"], row.get("transformers", {})):
             r.pop("tokens", None)
@@ -1460,6 +1470,11 @@ def _print_serve(res: dict) -> None:
                   f"{row['batch_size'] / cf:12.0f} | {1e3 * cf:8.2f} | ours at "
                   f"{cf / ours['decode_step_s']:.0%} of the compute bound "
                   f"({row['decode_flops'] / 1e6:.0f} MFLOP/step at the peak rate)")
+        if row.get("decode_products_s") is not None:  # JSON of older runs lack it
+            ps = row["decode_products_s"]
+            print(f"{row['batch_size']:>3} | {'products':>12} | {'':>13} | "
+                  f"{row['batch_size'] / ps:12.0f} | {1e3 * ps:8.2f} | the step's matrix "
+                  f"products alone: at {row['decode_floor_s'] / ps:.0%} of the bandwidth bound")
         print(f"{row['batch_size']:>3} | ours compiled {ours['compilations']} times in "
               f"{ours['compile_s']:.1f} s")
     print("note: MLX's Linux CPU wheel links a slow reference BLAS, so mlx-lm's matmuls are slow "
@@ -1467,7 +1482,9 @@ def _print_serve(res: dict) -> None:
           "measured\nbandwidth) are the hardware bound to read our decode step against; the "
           "'compute' rows\n(the products a step cannot skip, over the measured peak of a large "
           "f32 matmul) are the\nother bound: the step is compute-bound where they exceed the "
-          "floor.")
+          "floor; the 'products' rows (the\nstep's matrix products alone, timed on this "
+          "backend: serve_anchors.products_step) are\nthe least a step that runs them can "
+          "take here.")
     _print_serve_steps(res)
 
 
@@ -1518,6 +1535,10 @@ def _print_serve_steps(res: dict) -> None:
               f"{'holds' if sp['holds'] else 'MISSED'}; compiled "
               + ", ".join(f"{b['tokens']}x{b['kv_width']} {b['s']:.1f} s"
                           for b in sp["bucket_compile_s"]))
+        if sp.get("small_products_s") is not None:  # JSON of older runs lack it
+            print(f"  the matrix products alone of {sp['small_tokens']} tokens (no padding) take "
+                  f"{1e3 * sp['small_products_s']:.1f} ms, 1/"
+                  f"{sp['large_over_small_products']:.1f} of the large prefill")
     cl = res.get("compile_vs_layers")
     if cl:
         print()

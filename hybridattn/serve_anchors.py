@@ -10,6 +10,9 @@ on the same weights, and this machine's memory-bandwidth floor for a decode step
   can take, ``bytes / bandwidth``; :func:`peak_gflops` and :func:`decode_flops_per_step`: the
   least time its arithmetic takes, ``flops / peak``. The larger of the two is the step's
   roofline.
+- :func:`products_step_seconds`: what this backend makes of that arithmetic: the matrix
+  products of one step alone, timed. No step that runs them is faster here, whatever the rest
+  of it does; on a CPU, skinny products run far below the peak of a large one.
 
 Token convention (both serving anchors, as ``generate(max_new_tokens=N)``): ``new_tokens``
 tokens are generated per request; the first comes from the prefill's last logits, the other
@@ -38,8 +41,8 @@ from hybridattn.models import kimi_linear as M
 
 __all__ = [
     "decode_bytes_per_step", "decode_flops_per_step", "memory_bandwidth_gbs", "mlx_lm_model",
-    "mlx_lm_serve", "peak_gflops", "transformers_model", "transformers_serve",
-    "transformers_unavailable",
+    "mlx_lm_serve", "peak_gflops", "products_step", "products_step_seconds",
+    "transformers_model", "transformers_serve", "transformers_unavailable",
 ]
 
 
@@ -438,3 +441,105 @@ def decode_flops_per_step(config: KimiLinearConfig, batch_size: int, context_len
            "routed_experts": 2 * B * routed, "kda": 2 * B * kda, "mla_attention": 2 * B * mla}
     out["total"] = sum(out.values())
     return out
+
+
+def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
+    """``(fn, args)``: a jitted function and its arguments that run the matrix products of
+    one step of ``rows`` tokens through ``config``'s layers and output head, and nothing
+    else. Every product the engine's step runs is here, in the form that ran fastest on
+    XLA:CPU in our measurements, so timing it (:func:`products_step_seconds`) bounds the step
+    from below on this backend:
+
+    - weights ``[in, out]``, as ``x @ w`` multiplies them (10-20% faster at 1-8 rows than the
+      checkpoint's ``[out, in]``, which the step multiplies transposed);
+    - a KDA layer's six input projections as one product (``serving_layout``'s ``in_proj``),
+      then the low-rank ``f_b``, ``g_b`` and ``o_proj``; an MLA layer's ``q_proj``,
+      ``kv_a_proj``, the absorbed ``W_kc`` / ``W_vc`` per head and ``o_proj``;
+    - a gate and an up projection as one product (dense MLP, shared and routed experts);
+    - routed experts densely, every expert on every row, as the CPU step runs them at these
+      sizes (``kimi_linear.routed_experts``), and the router;
+    - the output head.
+
+    The layers chain through the residual with only an activation and a product between two
+    projections: no norm, no convolution, no recurrence, no attention over the context, no
+    pool traffic, no sampling.
+
+    >>> fn, args = products_step(KimiLinearConfig.tiny(), rows=2)
+    >>> fn(*args).shape  # the logits
+    (2, 256)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    c = config
+    D, H, Dk = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+    HD = H * Dk
+    Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    dn, dv = c.qk_nope_head_dim, c.v_head_dim
+    E, I_e = c.num_experts, c.moe_intermediate_size
+    I_s = c.num_shared_experts * I_e
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * shape[-2] ** -0.5)
+
+    layers = []
+    for i in range(c.num_hidden_layers):
+        if c.is_kda_layer(i):
+            L = dict(in_proj=w(D, 3 * HD + 2 * Dk + H), f_b=w(Dk, HD), g_b=w(Dk, HD),
+                     o=w(HD, D))
+        else:
+            L = dict(q=w(D, Hm * (dn + dr)), kv_a=w(D, r + dr), w_kc=w(Hm, dn, r),
+                     w_vc=w(Hm, r, dv), o=w(Hm * dv, D))
+        if c.is_moe_layer(i):
+            L.update(router=w(D, E), routed_13=w(D, 2 * E * I_e), routed_2=w(E * I_e, D))
+            if I_s:
+                L.update(shared_13=w(D, 2 * I_s), shared_2=w(I_s, D))
+        else:
+            L.update(mlp_13=w(D, 2 * c.intermediate_size), mlp_2=w(c.intermediate_size, D))
+        layers.append(L)
+    head = w(D, c.vocab_size)
+
+    def glu(x, w13, w2, gate=None):
+        inter = w2.shape[0]
+        h = x @ w13
+        a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+        return (a if gate is None else a * gate) @ w2
+
+    def step(x, layers, head):
+        n = x.shape[0]
+        for L in layers:
+            if "in_proj" in L:
+                h = x @ L["in_proj"]
+                f, g = h[:, 3 * HD:3 * HD + Dk], h[:, 3 * HD + Dk:3 * HD + 2 * Dk]
+                attn = (h[:, :HD] + f @ L["f_b"]) * jax.nn.sigmoid(g @ L["g_b"])
+            else:
+                q = (x @ L["q"]).reshape(n, Hm, dn + dr)[..., :dn]
+                lat = jnp.einsum("nhd,hdr->nhr", q, L["w_kc"]) + (x @ L["kv_a"])[:, None, :r]
+                attn = jnp.einsum("nhr,hrd->nhd", lat, L["w_vc"]).reshape(n, Hm * dv)
+            x = x + attn @ L["o"]
+            if "router" in L:
+                gate = jnp.repeat(jax.nn.sigmoid(x @ L["router"]), I_e, axis=1)
+                y = glu(x, L["routed_13"], L["routed_2"], gate)
+                if "shared_13" in L:
+                    y = y + glu(x, L["shared_13"], L["shared_2"])
+            else:
+                y = glu(x, L["mlp_13"], L["mlp_2"])
+            x = x + y
+        return x @ head
+
+    x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
+    return jax.jit(step), (x, layers, head)
+
+
+def products_step_seconds(config: KimiLinearConfig, rows: int, rounds: int = 30) -> float:
+    """Median seconds over ``rounds`` runs (after a compiling one) of :func:`products_step`:
+    the matrix products alone of one step of ``rows`` tokens, on this backend."""
+    fn, args = products_step(config, rows)
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

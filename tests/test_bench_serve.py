@@ -1,7 +1,8 @@
 """``bench serve``'s columns of where our step's time goes, on a 2-layer model: per-step host,
 exposed host, wait and device medians, compile seconds per bucket, compile seconds against
 the layer count and the small-prefill ratio, in the JSON and in the table with the bandwidth
-and compute floors (the anchors and the long runs live in the bench itself)."""
+and compute floors and the products-alone step (the anchors and the long runs live in the
+bench itself)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     small = bench._small_prefill(CFG, params, small=4, large=16, rounds=1)
     assert small["token_buckets"][0] == 16 and len(small["bucket_compile_s"]) == 1
     assert small["large_over_small"] == pytest.approx(small["large_s"] / small["small_s"])
+    assert small["large_over_small_products"] == pytest.approx(
+        small["large_s"] / small["small_products_s"])
 
     layers = bench._compile_vs_layers([2])
     row = layers[0]
@@ -47,7 +50,8 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     flops = A.decode_flops_per_step(CFG, 2, 10)["total"]
     nbytes = A.decode_bytes_per_step(CFG, 2, 10)["total"]
     row = dict(batch_size=2, ours=ours, decode_floor_s=nbytes / 20e9, decode_floor_bytes=nbytes,
-               decode_compute_floor_s=flops / 100e9, decode_flops=flops)
+               decode_compute_floor_s=flops / 100e9, decode_flops=flops,
+               decode_products_s=A.products_step_seconds(CFG, 2, rounds=2))
     bench._print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
                             peak_gflops=100.0, transformers="not requested", rows=[row],
                             small_prefill=small, compile_vs_layers=layers))
@@ -56,6 +60,7 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     assert f"of the compute bound ({flops / 1e6:.0f} MFLOP/step" in out
     assert "exposed" in out and "extend 2x18x64x18" in out and "decode 2x2x64x1" in out
     assert "costs 1/" in out and "target 1/25" in out
+    assert "products |" in out and "matrix products alone of 4 tokens" in out
     assert "     2 |   1+1   |        2 |" in out and "scanned/unrolled" in out
 
 

@@ -1,8 +1,8 @@
 """The serving benchmark's anchors: mlx-lm's batched greedy serving against a step-by-step
 loop, the decode byte count by hand and against real parameters, the decode flop count by hand
-and against XLA's cost analysis of the engine's compiled decode step, the bandwidth and matmul
-probes, and (slow, where torch is installed) transformers' greedy tokens against mlx-lm's on
-the same weights."""
+and against XLA's cost analysis of the engine's compiled decode step, the products-alone step
+against that count, the bandwidth and matmul probes, and (slow, where torch is installed)
+transformers' greedy tokens against mlx-lm's on the same weights."""
 
 from __future__ import annotations
 
@@ -152,6 +152,25 @@ def test_decode_flops_bound_xlas_count_of_the_engines_step():
     cost = cost[0] if isinstance(cost, list) else cost
     least = A.decode_flops_per_step(_CFG, batch_size=1, context_len=W)["total"]
     assert least <= cost["flops"] <= 1.3 * least
+
+
+@pytest.mark.parametrize("cfg", [_CFG, KimiLinearConfig.tiny(num_hidden_layers=5, hidden_size=48,
+                                                             num_shared_experts=0)])
+def test_products_step_runs_every_product_of_the_step(cfg):
+    """The products-alone step holds the products ``decode_flops_per_step`` counts (checked
+    above against XLA's count of the engine's step), with the routed experts dense (every
+    expert on every row, the CPU step's form at these sizes), and little besides: XLA's own
+    count of it sits just above that."""
+    rows = 3
+    fn, args = A.products_step(cfg, rows)
+    cost = fn.trace(*args).lower().compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    least = A.decode_flops_per_step(cfg, batch_size=rows, context_len=0)
+    dense = cfg.num_experts / cfg.num_experts_per_token
+    want = least["lm_head"] + least["projections"] + least["routed_experts"] * dense
+    assert want <= cost["flops"] <= 1.1 * want
+    assert fn(*args).shape == (rows, cfg.vocab_size)
+    assert A.products_step_seconds(cfg, rows, rounds=2) > 0
 
 
 def test_peak_gflops_is_positive():
