@@ -491,3 +491,33 @@ def test_alloc_reqs_or_raise_names_what_ran_out():
     with pytest.raises(P.PoolExhausted,
                        match="request rows exhausted: requested 2, 0 available of 1"):
         P.alloc_reqs_or_raise(plain, 2)
+
+
+def test_one_token_writes_copy_no_pool_in_a_step_that_reads_the_pools():
+    """A decode step of one request writes one token's latents and one ``req_to_token``
+    entry, then attends over the pool. Written as one-row updates (dynamic update slices),
+    XLA:CPU copied the latent pool four times per step around the attention's loop (a
+    one-request decode step of the tiny config at 64k: 5.1-5.9 ms against 3.1-3.7 without);
+    written as scatters of two rows, nothing pool-sized is copied."""
+    from hybridattn.mla import mla_decode
+
+    S, W, r, dr = 4099, 4096, 8, 4
+    pool = MLATokenPool.create((0,), num_slots=S, kv_lora_rank=r, qk_rope_head_dim=dr)
+    req = ReqToTokenPool.create(max_running_requests=1, max_context_len=W)
+    H, d = 2, 4
+
+    def step(pool, req, slot, c_kv, k_pe, q_nope, q_pe, w_kc, w_vc):
+        pool = pools.set_mla_kv(pool, 0, slot, c_kv, k_pe)
+        req = pools.write_token_slots(req, jnp.array([1]), jnp.array([W - 1]), slot)
+        c_all, k_all, offset = pools.get_mla_kv_flat(pool, 0)
+        page = pools.get_token_slots(req, jnp.array([1]), W)
+        out = mla_decode(q_nope, q_pe, c_all, k_all, w_kc, w_vc, page, jnp.array([W]),
+                         scale=0.5, block_size=1024, slot_offset=offset)
+        return pool, req, out
+
+    args = (pool, req, jnp.array([S - 1]), jnp.ones((1, r)), jnp.ones((1, dr)),
+            jnp.ones((1, H, d)), jnp.ones((1, H, dr)), jnp.ones((H, d, r)), jnp.ones((H, d, r)))
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line
+              and any(f"[{n}" in line or f",{n}" in line for n in (S, W))]
+    assert not copies, "\n".join(copies)
