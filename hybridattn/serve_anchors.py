@@ -450,8 +450,8 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
     XLA:CPU in our measurements, so timing it (:func:`products_step_seconds`) bounds the step
     from below on this backend:
 
-    - weights ``[in, out]``, as ``x @ w`` multiplies them (10-20% faster at 1-8 rows than the
-      checkpoint's ``[out, in]``, which the step multiplies transposed);
+    - weights ``[in, out]``, as ``x @ w`` multiplies them: at 1-8 rows, alone, 10-25% faster
+      than the checkpoint's ``[out, in]``, which the step multiplies transposed;
     - a KDA layer's six input projections as one product (``serving_layout``'s ``in_proj``),
       then the low-rank ``f_b``, ``g_b`` and ``o_proj``; an MLA layer's ``q_proj``,
       ``kv_a_proj``, the absorbed ``W_kc`` / ``W_vc`` per head and ``o_proj``;
