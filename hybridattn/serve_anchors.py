@@ -444,44 +444,52 @@ def decode_flops_per_step(config: KimiLinearConfig, batch_size: int, context_len
 
 
 def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
-    """``(fn, args)``: a jitted function and its arguments that run the matrix products of
+    """``(fn, args)``: a jitted function and its arguments that run the weight products of
     one step of ``rows`` tokens through ``config``'s layers and output head, and nothing
-    else. Every product the engine's step runs is here, in the form that ran fastest on
-    XLA:CPU in our measurements, so timing it (:func:`products_step_seconds`) bounds the step
-    from below on this backend:
+    else. Timing it (:func:`products_step_seconds`) bounds a step that runs the same products
+    from below, on this backend:
 
-    - weights ``[in, out]``, as ``x @ w`` multiplies them: at 1-8 rows, alone, 10-25% faster
-      than the checkpoint's ``[out, in]``, which the step multiplies transposed;
+    - weights ``[in, out]``, as ``x @ w`` multiplies them (alone, at 1-8 rows, 10-25% faster
+      than the checkpoint's ``[out, in]`` that the step multiplies transposed);
     - a KDA layer's six input projections as one product (``serving_layout``'s ``in_proj``),
       then the low-rank ``f_b``, ``g_b`` and ``o_proj``; an MLA layer's ``q_proj``,
       ``kv_a_proj``, the absorbed ``W_kc`` / ``W_vc`` per head and ``o_proj``;
-    - a gate and an up projection as one product (dense MLP, shared and routed experts);
-    - routed experts densely, every expert on every row, as the CPU step runs them at these
-      sizes (``kimi_linear.routed_experts``), and the router;
+    - gate, up and down projections apart, as the step runs them (dense MLP, shared experts);
+    - the routed experts as the CPU step takes them (``kimi_linear.routed_experts``): with
+      few token-expert pairs (``rows * top_k <= num_experts``) each pair's expert alone (the
+      pairs on distinct experts, as many as there are), else every expert on every row, as
+      two ``[rows, D] x [D, E I]`` products and one ``[rows, E I] x [E I, D]``; and the router;
     - the output head.
 
     The layers chain through the residual with only an activation and a product between two
-    projections: no norm, no convolution, no recurrence, no attention over the context, no
-    pool traffic, no sampling.
+    projections: no norm, convolution, recurrence, attention over the context, pool traffic
+    or sampling. The weights are scaled so that the activations stay finite.
 
     >>> fn, args = products_step(KimiLinearConfig.tiny(), rows=2)
-    >>> fn(*args).shape  # the logits
-    (2, 256)
+    >>> logits = fn(*args)
+    >>> logits.shape, bool(np.isfinite(logits).all())
+    ((2, 256), True)
     """
     import jax
     import jax.numpy as jnp
+
+    from hybridattn.models.kimi_linear import _MAX_PAIRS
 
     c = config
     D, H, Dk = c.hidden_size, c.linear_num_heads, c.linear_head_dim
     HD = H * Dk
     Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     dn, dv = c.qk_nope_head_dim, c.v_head_dim
-    E, I_e = c.num_experts, c.moe_intermediate_size
+    E, k, I_e = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
     I_s = c.num_shared_experts * I_e
+    pairwise = rows * k <= min(E, _MAX_PAIRS)
     rng = np.random.default_rng(seed)
 
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) * shape[-2] ** -0.5)
+    def w(*shape):  # small enough that the residual stream stays finite through the layers
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2 * shape[-2] ** -0.5)
+
+    def mlp(inter):
+        return dict(gate=w(D, inter), up=w(D, inter), down=w(inter, D))
 
     layers = []
     for i in range(c.num_hidden_layers):
@@ -492,19 +500,20 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
             L = dict(q=w(D, Hm * (dn + dr)), kv_a=w(D, r + dr), w_kc=w(Hm, dn, r),
                      w_vc=w(Hm, r, dv), o=w(Hm * dv, D))
         if c.is_moe_layer(i):
-            L.update(router=w(D, E), routed_13=w(D, 2 * E * I_e), routed_2=w(E * I_e, D))
+            L["router"] = w(D, E)
+            # pairwise: one [D, I] / [I, D] block per expert; dense: every expert side by side
+            L["routed"] = ([mlp(I_e) for _ in range(E)] if pairwise else
+                           dict(gate=w(D, E * I_e), up=w(D, E * I_e), down=w(E * I_e, D)))
             if I_s:
-                L.update(shared_13=w(D, 2 * I_s), shared_2=w(I_s, D))
+                L["shared"] = mlp(I_s)
         else:
-            L.update(mlp_13=w(D, 2 * c.intermediate_size), mlp_2=w(c.intermediate_size, D))
+            L["mlp"] = mlp(c.intermediate_size)
         layers.append(L)
     head = w(D, c.vocab_size)
 
-    def glu(x, w13, w2, gate=None):
-        inter = w2.shape[0]
-        h = x @ w13
-        a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-        return (a if gate is None else a * gate) @ w2
+    def glu(x, m, gate=None):
+        a = jax.nn.silu(x @ m["gate"]) * (x @ m["up"])
+        return (a if gate is None else a * gate) @ m["down"]
 
     def step(x, layers, head):
         n = x.shape[0]
@@ -519,12 +528,17 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
                 attn = jnp.einsum("nhr,hrd->nhd", lat, L["w_vc"]).reshape(n, Hm * dv)
             x = x + attn @ L["o"]
             if "router" in L:
-                gate = jnp.repeat(jax.nn.sigmoid(x @ L["router"]), I_e, axis=1)
-                y = glu(x, L["routed_13"], L["routed_2"], gate)
-                if "shared_13" in L:
-                    y = y + glu(x, L["shared_13"], L["shared_2"])
+                route = jax.nn.sigmoid(x @ L["router"])
+                if pairwise:  # pair (t, j) on expert t k + j
+                    y = jnp.concatenate([sum(glu(x[t:t + 1], L["routed"][t * k + j],
+                                                 route[t:t + 1, t * k + j:t * k + j + 1])
+                                             for j in range(k)) for t in range(n)])
+                else:
+                    y = glu(x, L["routed"], jnp.repeat(route, I_e, axis=1))
+                if "shared" in L:
+                    y = y + glu(x, L["shared"])
             else:
-                y = glu(x, L["mlp_13"], L["mlp_2"])
+                y = glu(x, L["mlp"])
             x = x + y
         return x @ head
 
