@@ -473,8 +473,8 @@ def write_token_slots(
     if mask is not None:
         keep = keep & mask
     rows = jnp.where(keep, req_indices, num_rows)
-    if rows.shape[0] == 1:  # one token: written twice (a scatter, not a copy of the table)
-        rows, positions, slots = (jnp.concatenate([x, x]) for x in (rows, positions, slots))
+    # one token written twice: a scatter, not a copy of the table (``_scatter_rows``)
+    rows, positions, slots = (_two_or_more(x) for x in (rows, positions, slots))
     table = pool.req_to_token.at[rows, positions].set(slots.astype(jnp.int32), mode="drop")
     lens = pool.req_lens.at[rows].max((positions + 1).astype(jnp.int32), mode="drop")
     return pool.replace(req_to_token=table, req_lens=lens)
@@ -655,15 +655,13 @@ def set_mla_kv(
             f"c_kv {c_kv.shape} / k_pe {k_pe.shape} do not match the pool's "
             f"kv_lora_rank={pool.kv_lora_rank}, qk_rope_head_dim={pool.qk_rope_head_dim}"
         )
-    if slots.shape[0] == 1:  # one token (a decode of one request): written twice, see below
-        slots, c_kv, k_pe = (jnp.concatenate([x, x]) for x in (slots, c_kv, k_pe))
-    # One row would be a dynamic update slice, which XLA:CPU does on copies of the pool when
-    # the step then reads the pool (the attention's loop): four copies of c_kv and of k_pe
-    # per decode step. As a scatter of two rows, none: a one-request decode step of the tiny
-    # config took 3.1-3.7 ms instead of 5.1-5.9 at 64k tokens of context, 1.4-1.6 instead of
-    # 2.1-2.2 at 16k (``write_token_slots`` does the same for its table).
-    return pool.replace(c_kv=pool.c_kv.at[i, slots].set(c_kv.astype(pool.c_kv.dtype)),
-                        k_pe=pool.k_pe.at[i, slots].set(k_pe.astype(pool.k_pe.dtype)))
+    # ``_scatter_rows``: one token (a decode of one request) written as one row was a dynamic
+    # update slice, which XLA:CPU did on copies of the pool when the step then read the pool
+    # (the attention's loop): four copies of c_kv and of k_pe per decode step. Written twice,
+    # none: a one-request decode step of the tiny config took 3.1-3.7 ms instead of 5.1-5.9 at
+    # 64k tokens of context, 1.4-1.6 instead of 2.1-2.2 at 16k.
+    return pool.replace(c_kv=_scatter_rows(pool.c_kv, i, slots, c_kv),
+                        k_pe=_scatter_rows(pool.k_pe, i, slots, k_pe))
 
 
 def get_mla_kv(
@@ -823,7 +821,8 @@ def set_states(
 def _scatter_rows(table: Array, i, idx: Int[Array, " B"], rows: Array) -> Array:
     """``table.at[i, idx].set(rows)`` (cast to the table's dtype), written as a scatter of at
     least two rows (one row is written twice): as with ``_gather_rows``, one row
-    would be a dynamic update slice, which XLA:CPU does on a copy of the whole table."""
+    would be a dynamic update slice, which XLA:CPU does on a copy of the whole table (the
+    state pools here; the latent pool in ``set_mla_kv``)."""
     rows = rows.astype(table.dtype)
     if idx.shape[0] == 1:  # the same row twice
         rows = jnp.concatenate([rows, rows])
