@@ -38,6 +38,7 @@ import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
+from servecore.validate import check_int
 
 __all__ = [
     "decode_bytes_per_step", "decode_flops_per_step", "memory_bandwidth_gbs", "mlx_lm_model",
@@ -475,6 +476,7 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
 
     from hybridattn.models.kimi_linear import _MAX_PAIRS
 
+    rows = check_int("rows", rows, 1)
     c = config
     D, H, Dk = c.hidden_size, c.linear_num_heads, c.linear_head_dim
     HD = H * Dk
@@ -549,6 +551,7 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
 def products_step_seconds(config: KimiLinearConfig, rows: int, rounds: int = 30) -> float:
     """Median seconds over ``rounds`` runs (after a compiling one) of :func:`products_step`:
     the matrix products alone of one step of ``rows`` tokens, on this backend."""
+    rounds = check_int("rounds", rounds, 1)
     fn, args = products_step(config, rows)
     fn(*args).block_until_ready()
     times = []

@@ -176,6 +176,13 @@ def test_products_step_runs_every_product_of_the_step(cfg, rows):
     assert A.products_step_seconds(cfg, rows, rounds=2) > 0
 
 
+def test_products_step_refuses_a_count_below_one():
+    with pytest.raises(ValueError, match="rows"):
+        A.products_step(_CFG, 0)
+    with pytest.raises(ValueError, match="rounds"):
+        A.products_step_seconds(_CFG, 1, rounds=0)
+
+
 def test_peak_gflops_is_positive():
     peak = A.peak_gflops(n=256, repeats=2)
     assert np.isfinite(peak) and peak > 0
