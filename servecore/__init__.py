@@ -14,6 +14,10 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 * ``servecore.prompts``: what a prompt is (token ids, text or a chat) and how it becomes token
   ids, for both engines; text back out; a checkpoint directory's tokenizer.
 * ``servecore.progress``: the tqdm bar of long work, quiet when stderr is not a terminal.
+* ``servecore.requests``: one request builder (argument names, checks, the finishing rule).
+* ``servecore.engine``: the protocol an engine's core implements (``EngineCore``, ``Event``).
+* ``servecore.streams``: ``Streams``, the multi-user contract (``generate``, ``stream``,
+  ``add_request`` / ``step`` / ``abort``) written once over any ``EngineCore``.
 * ``servecore.testing``: a real Hugging Face tokenizer small enough to reason about.
 
 >>> import servecore

@@ -1,4 +1,9 @@
-"""A real tokenizer small enough to reason about, for testing text and chat prompts.
+"""Test support: a real tokenizer small enough to reason about, and a fake engine core.
+
+``FakeCore`` is an ``servecore.engine.EngineCore`` without a model: each request's tokens are
+``fake_tokens(request)``, a function of the request alone, one per round, so a test of the
+shared layers (``servecore.streams``, the server) knows what every caller must receive.
+
 
 ``word_tokenizer(V)`` is a Hugging Face fast tokenizer (the ``tokenizers`` package's
 ``WordLevel`` model behind transformers' ``PreTrainedTokenizerFast``) whose vocabulary is
@@ -32,9 +37,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "save_word_tokenizer", "word_tokenizer"]
+from servecore.engine import Event
+from servecore.requests import GenerationRequest, finish_reason
+
+__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "FakeCore", "FakeFailure", "fake_tokens",
+           "save_word_tokenizer", "word_tokenizer"]
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -117,3 +127,81 @@ def save_word_tokenizer(path: str | os.PathLike[str], vocab_size: int, *, chat: 
     with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
         json.dump(_config(vocab_size, chat, bos, eos), fh, indent=2)
         fh.write("\n")
+
+
+class FakeFailure(Exception):
+    """What ``FakeCore`` raises from a round told to fail."""
+
+
+def fake_tokens(request: GenerationRequest, vocab_size: int = 32) -> list[int]:
+    """Everything ``FakeCore`` generates for ``request``: a function of its prompt, seed and
+    position, ended by the shared finishing rule (``servecore.requests.finish_reason``).
+
+    >>> from servecore.requests import RequestBuilder
+    >>> fake_tokens(RequestBuilder(vocab_size=32).one([1, 2], 3))
+    [3, 10, 17]
+    """
+    out: list[int] = []
+    while finish_reason(out, request) is None:
+        out.append((sum(request.tokens) + 7 * len(out) + (request.sampling.seed or 0))
+                   % vocab_size)
+    return out
+
+
+class FakeCore:
+    """An engine core without a model: ``rows`` rows, FIFO admission, one token per running
+    request a round (``fake_tokens``). ``fail_next = True`` makes the next round that serves
+    anything drop every running request (listed in ``dropped``) and raise ``FakeFailure``.
+
+    >>> from servecore.requests import RequestBuilder
+    >>> from servecore.streams import Streams
+    >>> Streams(FakeCore(), RequestBuilder(vocab_size=32)).generate([[1, 2], [5]], 2)
+    [[3, 10], [5, 12]]
+    """
+
+    def __init__(self, rows: int = 3, vocab_size: int = 32):
+        self.rows = rows
+        self.vocab_size = vocab_size
+        self.waiting: deque[int] = deque()
+        self.running: dict[int, list[int]] = {}
+        self.requests: dict[int, GenerationRequest] = {}
+        self.fail_next = False
+        self.dropped: list[int] = []
+
+    def submit(self, rid: int, request: GenerationRequest) -> None:
+        """Queue ``request``."""
+        self.requests[rid] = request
+        self.waiting.append(rid)
+
+    def cancel(self, rid: int) -> bool:
+        """Drop ``rid`` if it is queued or running."""
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+            return True
+        return self.running.pop(rid, None) is not None
+
+    def has_work(self) -> bool:
+        """Whether any request is queued or running."""
+        return bool(self.waiting or self.running)
+
+    def run_round(self, emit) -> bool:
+        """Admit what fits, then one token of every running request (or the failure)."""
+        while self.waiting and len(self.running) < self.rows:
+            rid = self.waiting.popleft()
+            self.running[rid] = fake_tokens(self.requests[rid], self.vocab_size)
+        if not self.running:
+            return False
+        if self.fail_next:
+            self.fail_next = False
+            err = FakeFailure("the step failed")
+            self.dropped = list(self.running)
+            for rid in self.dropped:
+                emit(Event(rid, None, True, err))
+            self.running.clear()
+            raise err
+        for rid, left in list(self.running.items()):
+            token = left.pop(0)
+            if not left:
+                del self.running[rid]
+            emit(Event(rid, token, not left))
+        return True

@@ -49,6 +49,9 @@ SERVECORE_API = [
     "servecore.snapshots",
     "servecore.prompts",
     "servecore.progress",
+    "servecore.requests",
+    "servecore.streams",
+    "servecore.engine",
     "servecore.testing",
 ]
 NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",

@@ -1,0 +1,73 @@
+"""The engine protocol: what an engine implements so that the shared layers serve it.
+
+An engine is two halves. Its *core* (``EngineCore``) owns the model, the pools and the
+scheduler, and knows requests by an integer id only: it queues them, cancels them and runs one
+scheduling round at a time, reporting every token it commits as an ``Event``. The shared
+``servecore.streams.Streams`` is the other half: it assigns ids, builds and checks requests
+(``servecore.requests``), owns the per-request outboxes, and gives every user the same
+contract (``generate``, ``stream``, ``add_request`` / ``step`` / ``abort``), whichever engine
+is underneath. A server (or any other front end) talks to ``Streams`` only.
+
+The core's promises:
+
+* ``submit(rid, request)`` queues a checked request; nothing runs until a round does.
+* ``cancel(rid)`` drops a queued or running request at once, freeing what it holds, and
+  returns whether it was live; it may be called at any time outside a round.
+* ``run_round(emit)`` runs one round (admit, schedule, one step or run of steps, finish) and
+  calls ``emit(Event(rid, token, finished))`` for every token it commits, in order; it returns
+  whether anything ran or was committed. A round that fails drops the requests it was serving,
+  emits ``Event(rid, None, True, error)`` for each, then raises the exception.
+* ``has_work()``: whether any request is queued, running or has tokens in flight.
+
+>>> Event(3, 17, False)
+Event(rid=3, token=17, finished=False, error=None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from servecore.requests import GenerationRequest
+
+__all__ = ["EngineCore", "Event"]
+
+
+class Event(NamedTuple):
+    """One token of request ``rid`` (``token`` is None when the request ended without one:
+    it was aborted, or a round serving it failed with ``error``).
+
+    >>> Event(0, None, True, error=RuntimeError("step failed")).finished
+    True
+    """
+
+    rid: int
+    token: int | None
+    finished: bool
+    error: BaseException | None = None
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """What an engine's core implements (see the module docstring).
+
+    >>> class Idle:
+    ...     def submit(self, rid, request): ...
+    ...     def cancel(self, rid): return False
+    ...     def run_round(self, emit): return False
+    ...     def has_work(self): return False
+    >>> isinstance(Idle(), EngineCore)
+    True
+    """
+
+    def submit(self, rid: int, request: GenerationRequest) -> None:
+        """Queue ``request`` under id ``rid``."""
+
+    def cancel(self, rid: int) -> bool:
+        """Drop request ``rid`` (queued or running); whether it was live."""
+
+    def run_round(self, emit: Callable[[Event], None]) -> bool:
+        """One scheduling round; ``emit`` each committed token; whether anything ran."""
+
+    def has_work(self) -> bool:
+        """Whether any request is queued, running or has tokens in flight."""

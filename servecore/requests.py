@@ -1,0 +1,183 @@
+"""One request builder for both engines: the argument names, their checks, the finishing rule.
+
+Every engine takes a request the same way (``generate``, ``stream``, ``add_request``):
+
+* ``prompts``: a list of prompts, each token ids, text or a chat (``servecore.prompts``);
+* ``max_tokens``: tokens to generate per request, at least 1 (default ``DEFAULT_MAX_TOKENS``);
+* ``temperature``, ``top_p``, ``top_k``, ``seed``: ``servecore.sampling.SamplingParams``;
+  ``seed=None`` (the default) samples from the engine's default stream; one seed is each
+  request's own seed, so identical prompts with one seed sample alike (give a list of seeds,
+  one per prompt, for different samples);
+* ``stop_token_ids``: one id or a list; a request ends on any of them (the stop token is kept
+  in its output); default: the tokenizer's (and config's) EOS ids.
+
+``max_tokens`` and each sampling argument is one value for every prompt, or a list (or 1-D
+NumPy array) with one per prompt. All of it is checked before anything is queued: a
+``ValueError`` names the bad value and the prompt it belongs to, and then nothing has changed.
+
+A request has finished when its output reached ``max_tokens`` or ends with a stop token
+(``finish_reason``).
+
+>>> build = RequestBuilder(vocab_size=16, eos_ids=frozenset({1}))
+>>> [r.max_tokens for r in build([[3, 4], [5]], [2, 3])]
+[2, 3]
+>>> r = build.one([3, 4], 4, temperature=0.5, seed=7)
+>>> r.tokens, r.sampling.seed, sorted(r.stop)
+([3, 4], 7, [1])
+>>> finish_reason([9, 1], r), finish_reason([9, 9, 9, 9], r), finish_reason([9], r)
+('stop', 'length', None)
+>>> build([[3], [4]], 2, top_p=[1.0, 0.0])
+Traceback (most recent call last):
+...
+ValueError: prompt 1: top_p=0.0 must be in (0, 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from servecore.prompts import encode_prompt
+from servecore.sampling import SamplingParams
+from servecore.validate import check_int, prompt_list, stop_ids
+
+__all__ = ["DEFAULT_MAX_TOKENS", "GenerationRequest", "RequestBuilder", "finish_reason",
+           "per_prompt"]
+
+DEFAULT_MAX_TOKENS = 256
+"""``max_tokens`` when a call does not give it."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GenerationRequest:
+    """One validated request: what to continue, how far, how to sample, when to stop.
+
+    >>> r = GenerationRequest([1, 2], 3, SamplingParams(), frozenset({0}))
+    >>> r.max_tokens, r.context_len  # the context it needs: the prompt and all but the last
+    (3, 4)
+    """
+
+    tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: frozenset[int]
+
+    @property
+    def context_len(self) -> int:
+        """Positions the request occupies at most: its prompt and every generated token but
+        the last (which is returned, never fed back)."""
+        return len(self.tokens) + self.max_tokens - 1
+
+
+def finish_reason(output: Sequence[int], request: GenerationRequest) -> str | None:
+    """``"stop"`` when ``output`` ends with one of the request's stop tokens, ``"length"`` when
+    it holds ``max_tokens`` tokens, else ``None`` (still running). The rule of both engines.
+
+    >>> r = GenerationRequest([1], 2, SamplingParams(), frozenset({7}))
+    >>> finish_reason([], r), finish_reason([7], r), finish_reason([3, 4], r)
+    (None, 'stop', 'length')
+    """
+    if output and output[-1] in request.stop:
+        return "stop"
+    if len(output) >= request.max_tokens:
+        return "length"
+    return None
+
+
+def per_prompt(name: str, value: Any, n: int) -> list[Any]:
+    """``value`` for each of ``n`` prompts: a list, tuple or 1-D NumPy array must have one entry
+    per prompt; anything else is shared by all.
+
+    >>> per_prompt("seed", 3, 2), per_prompt("seed", [3, None], 2)
+    ([3, 3], [3, None])
+    >>> per_prompt("top_k", [1, 2, 3], 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: top_k has 3 entries for 2 prompts
+    """
+    if _listed(value):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _listed(value: Any) -> bool:
+    return isinstance(value, list | tuple) or isinstance(value, np.ndarray) and value.ndim == 1
+
+
+class RequestBuilder:
+    """Turns an engine call's arguments into ``GenerationRequest``s (see the module docstring).
+
+    ``tokenizer`` (optional) encodes text and chats; ``vocab_size`` bounds token ids;
+    ``eos_ids`` are the default stop ids; ``check(name, request)`` is the engine's own test
+    that a request fits (its context, its pool): it raises ``ValueError`` naming ``name``.
+
+    >>> def fits(name, r):
+    ...     if r.context_len > 8:
+    ...         raise ValueError(f"{name} needs {r.context_len} positions, more than 8")
+    >>> RequestBuilder(vocab_size=16, check=fits)([[1, 2], [3] * 8], 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt 1 needs 9 positions, more than 8
+    """
+
+    def __init__(self, *, vocab_size: int, tokenizer: Any = None,
+                 eos_ids: frozenset[int] = frozenset(),
+                 check: Callable[[str, GenerationRequest], None] | None = None):
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self._check = check
+
+    def stop(self, stop_token_ids: Any) -> frozenset[int]:
+        """The stop ids a call asks for (``None``: the default EOS ids), checked.
+
+        >>> sorted(RequestBuilder(vocab_size=8, eos_ids=frozenset({2})).stop(None))
+        [2]
+        """
+        if stop_token_ids is None:
+            return self.eos_ids
+        return stop_ids(stop_token_ids, self.vocab_size)
+
+    def __call__(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
+                 temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
+                 stop_token_ids: Any = None) -> list[GenerationRequest]:
+        """One request per prompt (a list of prompts, read once), every value checked before
+        any is returned."""
+        prompts = prompt_list(prompts)
+        n = len(prompts)
+        maxes = per_prompt("max_tokens", max_tokens, n)
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        columns = {name: per_prompt(name, value, n) for name, value in given.items()}
+        listed = _listed(max_tokens) or any(map(_listed, given.values()))
+        stop = self.stop(stop_token_ids)
+        out = []
+        for i, prompt in enumerate(prompts):
+            where = f"prompt {i}"
+            try:
+                sampling = SamplingParams(**{name: col[i] for name, col in columns.items()})
+                limit = check_int("max_tokens", maxes[i], 1)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}" if listed else str(e)) from None
+            out.append(self._make(where, prompt, limit, sampling, stop))
+        return out
+
+    def one(self, prompt: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *, temperature: Any = 0.0,
+            top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
+            stop_token_ids: Any = None) -> GenerationRequest:
+        """One request (``add_request``): the same checks, the prompt named ``prompt``."""
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        limit = check_int("max_tokens", max_tokens, 1)
+        return self._make("prompt", prompt, limit, sampling, self.stop(stop_token_ids))
+
+    def _make(self, name: str, prompt: Any, max_tokens: int, sampling: SamplingParams,
+              stop: frozenset[int]) -> GenerationRequest:
+        tokens = encode_prompt(name, prompt, self.tokenizer, self.vocab_size)
+        req = GenerationRequest(tokens, max_tokens, sampling, stop)
+        if self._check is not None:
+            self._check(name, req)
+        return req
