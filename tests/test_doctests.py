@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import pkgutil
 
 import pytest
 
@@ -13,9 +14,17 @@ HYBRIDATTN_MODULES = ["hybridattn", "hybridattn._pytree", *HYBRIDATTN_API]
 
 
 def _run(name):
+    """The examples of module ``name`` and, for a package below the top level, of every module
+    in it (whose names the package re-exports: ``testmod`` reads only what a module defines
+    itself)."""
     module = importlib.import_module(name)
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
-    assert result.failed == 0, f"{result.failed} doctest failures in {name}"
+    modules = [module]
+    if hasattr(module, "__path__") and "." in name:
+        modules += [importlib.import_module(m.name)
+                    for m in pkgutil.walk_packages(module.__path__, name + ".")]
+    for mod in modules:
+        result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+        assert result.failed == 0, f"{result.failed} doctest failures in {mod.__name__}"
 
 
 @pytest.mark.parametrize("name", HYBRIDATTN_MODULES)
