@@ -40,6 +40,7 @@ False
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -78,20 +79,28 @@ class Streams:
 
     # ------------------------------------------------------------------ requests ----
 
-    def add_request(self, prompt: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
+    def add_request(self, prompt: Any, max_tokens: Any = None, *,
                     temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                    stop_token_ids: Any = None) -> int:
-        """Queue one request; returns its id. ``step`` returns its tokens."""
+                    stop_token_ids: Any = None, max_new_tokens: Any = None) -> int:
+        """Queue one request; returns its id. ``step`` returns its tokens. The arguments are
+        those of ``servecore.requests`` (``max_tokens``: default ``DEFAULT_MAX_TOKENS``;
+        ``max_new_tokens`` is its old name, deprecated)."""
+        max_tokens = _max_tokens(max_tokens, max_new_tokens)
         with self._entered():
             req = self.build.one(prompt, max_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
             return self._submit([req], self._steps)[0]
 
-    def stream(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
+    def stream(self, prompts: Any, max_tokens: Any = None, *,
                temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-               stop_token_ids: Any = None, progress: bool = False) -> Stream:
+               stop_token_ids: Any = None, progress: bool = False,
+               max_new_tokens: Any = None) -> Stream:
         """Queue one request per prompt (all checked before any is queued) and return the
-        ``Stream`` of their ``(prompt index, token)``; iterating it advances the engine."""
+        ``Stream`` of their ``(prompt index, token)``; iterating it advances the engine.
+        ``max_tokens`` and each sampling argument is one value or one per prompt
+        (``servecore.requests``); ``progress`` draws a tqdm bar of the tokens on stderr when it
+        is a terminal."""
+        max_tokens = _max_tokens(max_tokens, max_new_tokens)
         with self._entered():
             reqs = self.build(prompts, max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
@@ -100,12 +109,14 @@ class Streams:
             stream._left = set(stream._rids)
             return stream
 
-    def generate(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
+    def generate(self, prompts: Any, max_tokens: Any = None, *,
                  temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                 stop_token_ids: Any = None, progress: bool = False,
-                 text: bool = False) -> list[list[int]] | list[str]:
+                 stop_token_ids: Any = None, progress: bool = False, text: bool = False,
+                 max_new_tokens: Any = None) -> list[list[int]] | list[str]:
         """The new tokens of each prompt (a stop token, when hit, is the last), or with
-        ``text=True`` their text without the stop token that ended them."""
+        ``text=True`` their text without the stop token that ended them. The arguments are
+        ``stream``'s."""
+        max_tokens = _max_tokens(max_tokens, max_new_tokens)
         check_text(text, self.build.tokenizer)
         stream = self.stream(prompts, max_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
@@ -198,6 +209,24 @@ class Streams:
     def _entered(self) -> _Entered:
         return _Entered(self)
 
+    def serialized(self) -> _Entered:
+        """The engine's lock, for work outside rounds that must not interleave with them (a
+        cache reset, reading consistent stats): ``with streams.serialized(): ...``; refused
+        from inside a round."""
+        return _Entered(self)
+
+
+def _max_tokens(max_tokens: Any, max_new_tokens: Any) -> Any:
+    """``max_tokens``, or its deprecated old name ``max_new_tokens`` (with a warning)."""
+    if max_new_tokens is None:
+        return DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    warnings.warn("max_new_tokens is deprecated: call it max_tokens (the name of both engines "
+                  "and of the OpenAI API)", DeprecationWarning, stacklevel=3)
+    if max_tokens is not None:
+        raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r} are "
+                         "one argument: give max_tokens only")
+    return max_new_tokens
+
 
 class _Entered:
     """The lock, refusing a call from inside a round (the model or the tokenizer calling
@@ -211,8 +240,8 @@ class _Entered:
         s._lock.acquire()
         if s._in_round:
             s._lock.release()
-            raise RuntimeError("the engine was called from inside one of its own rounds (by "
-                               "the model or the tokenizer?); it serves one round at a time")
+            raise RuntimeError("the engine was called from inside one of its own steps (by "
+                               "the model or the tokenizer?); it serves one step at a time")
         s._depth += 1
 
     def __exit__(self, *exc: Any) -> None:
@@ -272,7 +301,7 @@ class Stream(Iterator[tuple[int, int]]):
                     self._end()
                     if self._error is not None:
                         raise RuntimeError(
-                            f"request(s) {self._lost} of this stream were dropped: a round "
+                            f"request(s) {self._lost} of this stream were dropped: a step "
                             f"serving them failed ({self._error!r})") from self._error
                     raise StopIteration
                 if not s._round() and not self._events:  # a bug, never a user error

@@ -238,7 +238,7 @@ def test_a_call_from_inside_a_round_is_refused():
 
     front = Streams(Reentrant(), RequestBuilder(vocab_size=VOCAB))
     front.add_request([1], 1)
-    with pytest.raises(RuntimeError, match="inside one of its own rounds"):
+    with pytest.raises(RuntimeError, match="inside one of its own steps"):
         front.step()
 
 
@@ -270,3 +270,12 @@ def test_bad_arguments_are_refused_before_anything_is_queued():
     with pytest.raises(ValueError, match="max_tokens=0"):
         front.add_request([1], 0)
     assert not core.has_work() and front._next_rid == 0
+
+
+def test_max_new_tokens_still_works_for_one_release_with_a_warning():
+    front = Streams(FakeCore(), RequestBuilder(vocab_size=VOCAB))
+    with pytest.warns(DeprecationWarning, match="max_new_tokens is deprecated"):
+        assert front.generate([[1]], max_new_tokens=2) == front.generate([[1]], 2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give max_tokens"):
+        front.add_request([1], 2, max_new_tokens=3)
+    assert len(front.generate([[1]])[0]) == 256  # the default, DEFAULT_MAX_TOKENS
