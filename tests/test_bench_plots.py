@@ -10,15 +10,15 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from hybridattn import bench  # noqa: E402
+from hybridattn.bench.cli import main  # noqa: E402
 
 SAVED = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
 
 
 @pytest.mark.parametrize("what", ["kda", "serve", "prefix"])
 def test_a_saved_result_is_plotted_and_tabled(what, tmp_path, capsys):
-    assert bench.main([what, "--from-json", str(SAVED / f"{what}.json"),
-                       "--plot", str(tmp_path)]) == 0
+    assert main([what, "--from-json", str(SAVED / f"{what}.json"),
+                 "--plot", str(tmp_path)]) == 0
     png = tmp_path / f"{what}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     out, err = capsys.readouterr()
@@ -27,5 +27,5 @@ def test_a_saved_result_is_plotted_and_tabled(what, tmp_path, capsys):
 
 def test_a_missing_json_file_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["kda", "--from-json", str(tmp_path / "none.json"), "--plot", str(tmp_path)])
+        main(["kda", "--from-json", str(tmp_path / "none.json"), "--plot", str(tmp_path)])
     assert "none.json" in capsys.readouterr().err

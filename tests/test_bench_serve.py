@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from hybridattn import bench
-from hybridattn import serve_anchors as A
+from hybridattn.bench import anchors as A
+from hybridattn.bench import compile_time, serve
+from hybridattn.bench.cli import main
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
 
@@ -21,7 +22,7 @@ CFG = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
 def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     params = kimi_linear.init_params(CFG, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(1, CFG.vocab_size, (2, 8))
-    ours = bench._ours_serve(CFG, params, prompts, new_tokens=3, repeats=1, device_rounds=2)
+    ours = serve._ours_serve(CFG, params, prompts, new_tokens=3, repeats=1, device_rounds=2)
     steps = ours["per_step"]
     assert set(steps) == {"prefill", "decode"}
     assert steps["prefill"]["steps"] == 1 and steps["decode"]["steps"] == 2
@@ -34,13 +35,13 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     assert sum(b["s"] for b in ours["bucket_compile_s"]) == pytest.approx(ours["compile_s"])
 
     # one bucket holds both prompts here: a single compile, and about equal costs
-    small = bench._small_prefill(CFG, params, small=4, large=16, rounds=1)
+    small = serve._small_prefill(CFG, params, small=4, large=16, rounds=1)
     assert small["token_buckets"][0] == 16 and len(small["bucket_compile_s"]) == 1
     assert small["large_over_small"] == pytest.approx(small["large_s"] / small["small_s"])
     assert small["large_over_small_products"] == pytest.approx(
         small["large_s"] / small["small_products_s"])
 
-    layers = bench._compile_vs_layers([2])
+    layers = compile_time.compile_vs_layers([2])
     row = layers[0]
     assert row["kda_layers"] == row["mla_layers"] == 1 and row["compiled_layers"] == 2
     for v in (row["unrolled"], row["scanned"]):
@@ -52,9 +53,9 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
     row = dict(batch_size=2, ours=ours, decode_floor_s=nbytes / 20e9, decode_floor_bytes=nbytes,
                decode_compute_floor_s=flops / 100e9, decode_flops=flops,
                decode_products_s=A.products_step_seconds(CFG, 2, rounds=2))
-    bench._print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
-                            peak_gflops=100.0, transformers="not requested", rows=[row],
-                            small_prefill=small, compile_vs_layers=layers))
+    serve.print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
+                           peak_gflops=100.0, transformers="not requested", rows=[row],
+                           small_prefill=small, compile_vs_layers=layers))
     out = capsys.readouterr().out
     assert "matmul peak 100 GFLOP/s" in out and "of the bandwidth bound" in out
     assert f"of the compute bound ({flops / 1e6:.0f} MFLOP/step" in out
@@ -66,7 +67,7 @@ def test_serve_reports_host_device_and_compile_seconds_and_prints_them(capsys):
 
 def test_compile_layers_below_two_are_refused(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["serve", "--compile-layers", "4", "1"])
+        main(["serve", "--compile-layers", "4", "1"])
     assert "--compile-layers 4 1: each must be at least 2" in capsys.readouterr().err
 
 
@@ -79,17 +80,17 @@ def test_compile_against_a_baseline_checkout_runs_both_in_fresh_processes(capsys
     import hybridattn
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(hybridattn.__file__)))
-    res = bench._compile_against(root, 2, rounds=1)
+    res = compile_time.compile_against(root, 2, rounds=1)
     assert res["layers"] == 2 and res["rounds"] == 1 and res["baseline"] == root
     for side in ("baseline", "ours"):
         (run,) = res["runs"][side]
         assert set(run) == {"prefill", "decode"} and all(s > 0 for s in run.values())
     assert res["ratio"] == pytest.approx(res["ours_s"] / res["baseline_s"])
-    bench._print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
-                            peak_gflops=100.0, transformers="not requested", rows=[],
-                            compile_baseline=res))
+    serve.print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
+                           peak_gflops=100.0, transformers="not requested", rows=[],
+                           compile_baseline=res))
     assert "ours / baseline" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="compiling the step of"):
-        bench._compile_step_in(root, 0)  # no model has 0 layers
+        compile_time._compile_step_in(root, 0)  # no model has 0 layers
     with pytest.raises(ValueError, match="at least 1, got 0"):
-        bench._compile_against(root, 2, rounds=0)
+        compile_time.compile_against(root, 2, rounds=0)

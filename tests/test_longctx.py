@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from harness import CFG, PARAMS
 
-from hybridattn import bench
+from hybridattn.bench import longctx
 from hybridattn.engine import (
     REQ_TABLE_POSITIONS,
     Engine,
@@ -97,7 +97,7 @@ def test_the_memory_report_per_context_length_grows_with_the_pools():
 
 
 def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
-    res = bench.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1)
+    res = longctx.bench_longctx(lengths=[256, 512], new_tokens=3, mla_rounds=1)
     assert [r["prompt_len"] for r in res["rows"]] == [256, 512]
     for r in res["rows"]:
         assert "failed" not in r, r
@@ -109,11 +109,11 @@ def test_bench_longctx_runs_each_length_in_its_own_process(tmp_path, capsys):
         assert r["peak_prefill_rss_bytes"] >= r["prefill_alone_peak_rss_bytes"] > 0
         assert r["pool_bytes"] > 0 and r["param_bytes"] > 0
     assert "peak_linear_in_pools" in res["verdict"]
-    bench._print_longctx(res)
+    longctx.print_longctx(res)
     out = capsys.readouterr().out
     assert "target 64k prefill" in out and "   512 |" in out
     pytest.importorskip("matplotlib")
-    from hybridattn.bench_plots import plot_longctx
+    from hybridattn.bench.plots import plot_longctx
 
     assert plot_longctx(res, str(tmp_path)).endswith("longctx.png")
 
@@ -136,13 +136,13 @@ def test_compare_chunk_reruns_each_length_with_the_other_chunk_and_compares_toke
         return dict(figures, prompt_len=n, chunked_prefill_size=chunk or 256, tokens=tokens,
                     decode_step_s=None)
 
-    monkeypatch.setattr(bench, "_longctx_child", child)
-    res = bench.bench_longctx(lengths=[100, 200, 300], new_tokens=2, compare_chunk=64)
+    monkeypatch.setattr(longctx, "_longctx_child", child)
+    res = longctx.bench_longctx(lengths=[100, 200, 300], new_tokens=2, compare_chunk=64)
     assert runs == [(100, None), (100, 64), (200, None), (200, 64), (300, None), (300, 64)]
     got = [r["compare_chunk"] for r in res["rows"]]
     assert [c["same_tokens"] for c in got] == [True, False, False]
     assert got[2]["failed"] == "exit 1: boom"
-    bench._print_longctx(res)
+    longctx.print_longctx(res)
     out = capsys.readouterr().out
     assert "100 tokens, chunked_prefill_size 256 vs 64: same greedy tokens" in out
     assert "200 tokens, chunked_prefill_size 256 vs 64: DIFFERENT tokens" in out

@@ -473,7 +473,7 @@ def test_bench_flop_count_matches_the_kernels_matmuls(T, C, Dv):
     the matmuls that ``kda_chunked`` actually runs (read from its program, scan trip counts
     included). The few s x s products of the smallest blocks run as multiply-reduce and the
     formula's closed forms round the block sums, so the two agree to within 1%."""
-    from hybridattn.bench import chunked_flops
+    from hybridattn.bench.kda import chunked_flops
 
     Hb, Dk = 4, 128
     q, k, v, g, beta, _ = make_inputs(0, 1, T, H=Hb, Dk=Dk, Dv=Dv)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybridattn import serve_anchors as A
+from hybridattn.bench import anchors as A
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
 

@@ -1,16 +1,16 @@
-"""Measurements behind :mod:`hybridattn.mla`'s choices (a script, not a test; nothing imports it).
+"""Measurements behind :mod:`hybridattn.mla`'s choices (a program, not a test; the library
+never imports it).
 
-``python -m hybridattn.mla_bench forms``: absorbed vs decompressed extend over a 16k cached
+``python -m hybridattn.bench mla forms``: absorbed vs decompressed extend over a 16k cached
 prefix, for ``Q`` in {1, 64, 2048} new tokens of one request, on the tiny config and a
 Kimi-like shape (H=32, dn=dv=128, dr=64, r=512), best of a few calls each.
-``python -m hybridattn.mla_bench blocks``: block sizes, decode (B=4) and extend (Q=64).
-``python -m hybridattn.mla_bench memory``: the compiled scratch (``memory_analysis()``) of one
+``python -m hybridattn.bench mla blocks``: block sizes, decode (B=4) and extend (Q=64).
+``python -m hybridattn.bench mla memory``: the compiled scratch (``memory_analysis()``) of one
 extend step at width 64k, dense oracle vs blockwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
@@ -119,7 +119,5 @@ def memory(width=65536, B=2, Q=64):
               flush=True)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["forms", "blocks", "memory"])
-    {"forms": forms, "blocks": blocks, "memory": memory}[parser.parse_args().what]()
+MLA_TABLES = {"forms": forms, "blocks": blocks, "memory": memory}
+"""``python -m hybridattn.bench mla TABLE``: each table's function (it prints the table)."""

@@ -34,10 +34,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
+from hybridattn.models.kimi_linear import _MAX_PAIRS
 from servecore.validate import check_int
 
 __all__ = [
@@ -298,9 +301,6 @@ def memory_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 7) -> float:
     """This machine's measured read bandwidth in GB/s (1e9 bytes): the best over ``repeats``
     of a jitted JAX sum and a NumPy sum over an ``nbytes`` f32 array (far larger than the
     caches), after a warm-up of each."""
-    import jax
-    import jax.numpy as jnp
-
     n = max(nbytes // 4, 1)
     host = np.ones(n, np.float32)
     dev = jnp.ones((n,), jnp.float32)
@@ -387,9 +387,6 @@ def peak_gflops(n: int = 2048, repeats: int = 7) -> float:
     """This machine's measured f32 matrix-product rate in GFLOP/s: the best over ``repeats``
     of a jitted ``[n, n] @ [n, n]`` (``2 n^3`` flops), after a warm-up. A step's products
     are far smaller and run well below it, so ``flops / peak_gflops()`` is a floor."""
-    import jax
-    import jax.numpy as jnp
-
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(jnp.matmul)
     mm(a, a).block_until_ready()
@@ -471,21 +468,25 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
     >>> logits.shape, bool(np.isfinite(logits).all())
     ((2, 256), True)
     """
-    import jax
-    import jax.numpy as jnp
-
-    from hybridattn.models.kimi_linear import _MAX_PAIRS
-
     rows = check_int("rows", rows, 1)
     c = config
+    pairwise = rows * c.num_experts_per_token <= min(c.num_experts, _MAX_PAIRS)
+    rng = np.random.default_rng(seed)
+    layers, head = _products_weights(c, rng, pairwise)
+    x = jnp.asarray(rng.standard_normal((rows, c.hidden_size), np.float32))
+    return jax.jit(_products_chain(c, pairwise)), (x, layers, head)
+
+
+def _products_weights(c: KimiLinearConfig, rng, pairwise: bool) -> tuple[list[dict], Any]:
+    """:func:`products_step`'s weights, ``[in, out]``, drawn from ``rng``: per layer its
+    attention (KDA or MLA) projections and its MLP or experts (one block per expert when
+    ``pairwise``, else every expert side by side); and the output head."""
     D, H, Dk = c.hidden_size, c.linear_num_heads, c.linear_head_dim
     HD = H * Dk
     Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     dn, dv = c.qk_nope_head_dim, c.v_head_dim
-    E, k, I_e = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
+    E, I_e = c.num_experts, c.moe_intermediate_size
     I_s = c.num_shared_experts * I_e
-    pairwise = rows * k <= min(E, _MAX_PAIRS)
-    rng = np.random.default_rng(seed)
 
     def w(*shape):  # small enough that the residual stream stays finite through the layers
         return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.2 * shape[-2] ** -0.5)
@@ -511,7 +512,17 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
         else:
             L["mlp"] = mlp(c.intermediate_size)
         layers.append(L)
-    head = w(D, c.vocab_size)
+    return layers, w(D, c.vocab_size)
+
+
+def _products_chain(c: KimiLinearConfig, pairwise: bool):
+    """``step(x, layers, head)``: :func:`products_step`'s layers chained through the residual,
+    then the output head."""
+    H, Dk = c.linear_num_heads, c.linear_head_dim
+    HD = H * Dk
+    Hm, r, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    dn, dv = c.qk_nope_head_dim, c.v_head_dim
+    k, I_e = c.num_experts_per_token, c.moe_intermediate_size
 
     def glu(x, m, gate=None):
         a = jax.nn.silu(x @ m["gate"]) * (x @ m["up"])
@@ -544,8 +555,7 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
             x = x + y
         return x @ head
 
-    x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
-    return jax.jit(step), (x, layers, head)
+    return step
 
 
 def products_step_seconds(config: KimiLinearConfig, rows: int, rounds: int = 30) -> float:
