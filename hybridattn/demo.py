@@ -73,7 +73,7 @@ def check_against_apply(params, config, prompts, outputs) -> tuple[int, int, int
     return matched, total, ties
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hybridattn.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Kimi-Linear checkpoint directory (default: built-in)")
@@ -92,46 +92,45 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --prompt: feed the text as is, not as a chat message")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run tokenizer code that ships with the checkpoint (read it first)")
-    args = p.parse_args(argv)
-    if args.prompt and not args.model:
-        p.error("--prompt needs --model DIR, a checkpoint with a tokenizer (the built-in "
-                "model has none)")
+    return p
 
-    # compilations are cached on disk: a second run starts at once
+
+def _use_compilation_cache() -> None:
+    """Compilations are cached on disk (``HYBRIDATTN_JAX_CACHE``; ``0``: off): a second run
+    starts at once."""
     cache = os.environ.get("HYBRIDATTN_JAX_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "hybridattn", "jax"))
     if cache != "0":
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    t_start = time.perf_counter()
-    if args.model:
-        tokenizer = None
-        if args.prompt:  # before the weights: a missing tokenizer should not wait for them
-            try:
-                tokenizer = M.load_tokenizer(args.model,
-                                             trust_remote_code=args.trust_remote_code)
-            except (ImportError, ValueError, OSError) as e:
-                raise SystemExit(f"{p.prog}: error: {e}") from None
-            if tokenizer is None:
-                raise SystemExit(f"{p.prog}: error: --model {args.model!r} has no tokenizer "
-                                 "(tokenizer.json, tokenizer_config.json, ...): --prompt "
-                                 "needs one")
-        config, params = M.load(args.model, progress=True)
-        if args.prompt:
-            return _continue(args, config, params, tokenizer, p.prog)
-        source = f"checkpoint {args.model}"
-    else:
-        config = demo_config()
-        params = M.init_params(config, jax.random.key(args.seed))
-        source = "built-in random weights"
+
+def _load_tokenizer(args, prog: str):
+    """``--prompt``'s tokenizer from ``--model``, loaded before the weights: a missing
+    tokenizer should not wait for them."""
+    try:
+        tokenizer = M.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    except (ImportError, ValueError, OSError) as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    if tokenizer is None:
+        raise SystemExit(f"{prog}: error: --model {args.model!r} has no tokenizer "
+                         "(tokenizer.json, tokenizer_config.json, ...): --prompt "
+                         "needs one")
+    return tokenizer
+
+
+def _print_model(config: KimiLinearConfig, params, source: str) -> None:
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"Kimi-Linear ({source}): {config.num_hidden_layers} layers "
           f"(KDA {list(config.kda_layer_ids)}, MLA {list(config.full_attention_layer_ids)}), "
           f"hidden {config.hidden_size}, {n_params / 1e6:.2f}M parameters   "
           f"[{jax.default_backend()}]")
 
-    rng = np.random.default_rng(args.seed)
+
+def _round_one(args, config, params, rng) -> tuple[Engine, dict, list, list]:
+    """Serve ``--requests`` random prompts of mixed lengths on an engine sized for them (and for
+    round two's follow-ups), printing what it did: the engine, its geometry, the prompts and
+    the outputs."""
     lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lens]
     ctx = int(lens.max()) + args.max_new_tokens
@@ -155,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, args.max_new_tokens, progress=True)
-    wall = time.perf_counter() - t0
+    _print_round_one(engine, prompts, outputs, time.perf_counter() - t0)
+    return engine, geometry, prompts, outputs
+
+
+def _print_round_one(engine: Engine, prompts: list, outputs: list, wall: float) -> None:
     s = engine.stats
     n_out = sum(len(o) for o in outputs)
     print(f"generated {n_out} tokens in {wall:.1f} s ({s.steps} steps, "
@@ -167,14 +170,22 @@ def main(argv: list[str] | None = None) -> int:
           f"for a free slot)")
     print(f"  request 0: prompt {prompts[0][:8]}... -> {outputs[0]}")
 
-    ok = True
-    if not args.no_check:
-        matched, total, ties = check_against_apply(params, config, prompts, outputs)
-        ok = matched == total
-        print(f"check against apply-based greedy decoding: {matched}/{total} tokens match"
-              + (f" ({ties} near-ties)" if ties else "") + (": OK" if ok else ": MISMATCH"))
 
-    # Round two: follow-up turns and siblings of round one's requests.
+def _check(params, config, prompts, outputs) -> bool:
+    """``check_against_apply``, printed; whether every token matched."""
+    matched, total, ties = check_against_apply(params, config, prompts, outputs)
+    ok = matched == total
+    print(f"check against apply-based greedy decoding: {matched}/{total} tokens match"
+          + (f" ({ties} near-ties)" if ties else "") + (": OK" if ok else ": MISMATCH"))
+    return ok
+
+
+def _round_two(args, config, params, engine: Engine, geometry: dict, prompts: list,
+               outputs: list, rng) -> bool:
+    """Follow-up turns and siblings of round one's requests, served with the prefix cache
+    and by an engine without one: the hit rate and time to first token of each, printed;
+    whether both gave the same tokens."""
+    ctx = geometry["max_context_len"]
     follow = [p + o + rng.integers(0, config.vocab_size, 8).tolist()
               for p, o in zip(prompts[: args.requests // 2], outputs, strict=False)]
     siblings = [p[: max(1, 3 * len(p) // 4)] + rng.integers(0, config.vocab_size, 6).tolist()
@@ -194,8 +205,38 @@ def main(argv: list[str] | None = None) -> int:
           f"{cold.stats.mean_ttft:.2f} s without; prefill {hit.effective_prefill_tok_s:.0f} vs "
           f"{cold.stats.effective_prefill_tok_s:.0f} tok/s (all prompt tokens per second)")
     same = again == base
-    ok = ok and same
     print(f"  tokens with the cache equal the tokens without it: {'OK' if same else 'MISMATCH'}")
+    return same
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line) and run the demo; 0 when every check
+    passed."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.prompt and not args.model:
+        p.error("--prompt needs --model DIR, a checkpoint with a tokenizer (the built-in "
+                "model has none)")
+    _use_compilation_cache()
+    t_start = time.perf_counter()
+    if args.model:
+        tokenizer = _load_tokenizer(args, p.prog) if args.prompt else None
+        config, params = M.load(args.model, progress=True)
+        if args.prompt:
+            return _continue(args, config, params, tokenizer, p.prog)
+        source = f"checkpoint {args.model}"
+    else:
+        config = demo_config()
+        params = M.init_params(config, jax.random.key(args.seed))
+        source = "built-in random weights"
+    _print_model(config, params, source)
+    rng = np.random.default_rng(args.seed)
+    engine, geometry, prompts, outputs = _round_one(args, config, params, rng)
+    ok = True
+    if not args.no_check:
+        ok = _check(params, config, prompts, outputs)
+    same = _round_two(args, config, params, engine, geometry, prompts, outputs, rng)
+    ok = ok and same
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0 if ok else 1
 
