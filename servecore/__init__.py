@@ -11,6 +11,8 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 * ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
 * ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,
   stop ids, a tokenizer's EOS ids) that name the bad value.
+* ``servecore.prefix``: the prefix policy over the radix tree (what a request takes, how
+  the tree makes room) behind a small slot-store protocol.
 * ``servecore.prompts``: what a prompt is (token ids, text or a chat) and how it becomes token
   ids, for both engines; text back out; a checkpoint directory's tokenizer.
 * ``servecore.progress``: the tqdm bar of long work, quiet when stderr is not a terminal.

@@ -47,6 +47,7 @@ SERVECORE_API = [
     "servecore.validate",
     "servecore.radix",
     "servecore.snapshots",
+    "servecore.prefix",
     "servecore.prompts",
     "servecore.progress",
     "servecore.requests",

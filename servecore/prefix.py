@@ -1,0 +1,221 @@
+"""The prefix policy: what a request may take from the radix tree, and how the tree makes room.
+
+Written once over ``servecore.radix`` and a small slot-store protocol (``SlotStore``), in
+plain Python: an engine keeps its token slots and snapshot slots in whatever allocator it
+likes (a NumPy free stack, a host list) and hands an adapter to these functions.
+
+The rules:
+
+* **The last prompt token always runs**: its logits give the first sampled token, so even a
+  full hit recomputes it (its K/V is in the tree already: it needs no new slot).
+* **K/V are borrowed at any depth** (``match``'s ``slots``: every matched token's slot), but
+  a **recurrent state is restored only at the deepest snapshot on ``prompt[:-1]``**: a
+  hybrid model's usable prefix (``cached``) ends there and the tokens after it run again
+  (their K/V stay the tree's). A tree without states has ``cached = min(matched, n - 1)``.
+* ``cached_len`` is ``match``'s ``cached`` from a read-only peek (no split, no LRU touch), for
+  a scheduler that orders every waiting request each round.
+* ``make_room``: on a shortfall, evict exactly that much (the least recently used unlocked
+  prefixes), or, when even that would not be enough, evict nothing and let the request wait.
+* ``take_states``: snapshot slots, evicting least recently used unlocked states when none are
+  free; fewer than asked when that is all there is (a snapshot is best effort).
+
+Everything an eviction frees goes back to its store (``give_back``) and is returned, so the
+caller counts it.
+
+>>> from servecore.radix import RadixCache
+>>> tree, slots = RadixCache(), ListSlots(8)  # slots 1..7
+>>> got, _ = make_room(tree, slots, 3)
+>>> tree.insert([5, 6, 7], got)
+0
+>>> m = match(tree, [5, 6, 7])  # a full hit: the last token runs again
+>>> m.slots, m.cached, cached_len(tree, [5, 6, 9, 9])
+([1, 2, 3], 2, 2)
+>>> make_room(tree, slots, 8)  # more than free + evictable: nothing is evicted
+(None, Evicted(slots=[], states=[]))
+>>> make_room(tree, slots, 5)[1]  # 4 free: one short; the leaf holding it goes whole
+Evicted(slots=[1, 2, 3], states=[])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from servecore.radix import Evicted, RadixCache, TreeNode
+
+__all__ = ["ListSlots", "Match", "SlotStore", "cached_len", "give_back", "make_room", "match",
+           "take_states"]
+
+
+@runtime_checkable
+class SlotStore(Protocol):
+    """Where an engine keeps its free slots (token slots or snapshot slots).
+    ``servecore.snapshots.SnapshotSlots`` is one.
+
+    >>> isinstance(ListSlots(4), SlotStore)
+    True
+    """
+
+    @property
+    def num_free(self) -> int:
+        """Slots ``take`` can hand out."""
+
+    def take(self, n: int) -> list[int]:
+        """``min(n, num_free)`` free slots."""
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Return ``slots`` (each in use)."""
+
+
+class ListSlots:
+    """A ``SlotStore`` of slots ``1 .. num_slots - 1`` on a Python list (slot 0 is the sink),
+    handed out in increasing order: for tests and examples.
+
+    >>> s = ListSlots(4)
+    >>> s.take(2), s.num_free
+    ([1, 2], 1)
+    >>> s.give([1]); s.take(9)
+    [1, 3]
+    """
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        """Slots ``take`` can hand out."""
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """Up to ``n`` free slots."""
+        n = min(n, len(self._free))
+        out = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Return ``slots``; a slot free already or out of range is an error."""
+        bad = [s for s in slots if not 0 < s < self.num_slots or s in self._free]
+        if bad:
+            raise ValueError(f"slots {bad} are not in use")
+        self._free.extend(slots)
+
+
+class Match(NamedTuple):
+    """What a request takes from the tree: the tree's ``slots`` of the longest cached prefix
+    (K/V it borrows) and their ``node`` (to lock while it runs), the tokens it skips
+    (``cached``), and the snapshot handle to restore at ``cached`` (``restore``; None: the
+    zero state, or a tree without states).
+
+    >>> Match([4], None, 0, None).cached
+    0
+    """
+
+    slots: list[int]
+    node: TreeNode
+    cached: int
+    restore: Hashable | None
+
+
+def match(tree: RadixCache, tokens: Sequence[int]) -> Match:
+    """The prefix ``tokens`` (a prompt) may take from ``tree`` (marks it recently used).
+
+    >>> tree = RadixCache(states=True)
+    >>> tree.insert([1, 2, 3, 4], [9, 8, 7, 6])
+    0
+    >>> tree.add_state([1, 2], "s2")
+    True
+    >>> m = match(tree, [1, 2, 3, 4, 5])  # K/V for 4 tokens, a state at 2
+    >>> m.slots, m.cached, m.restore
+    ([9, 8, 7, 6], 2, 's2')
+    >>> match(tree, [1, 2]).cached  # a state at the prompt's end: its last token runs again
+    0
+    """
+    if not tree.states:
+        slots, node, _ = tree.match_prefix(tokens)
+        return Match(slots, node, min(len(slots), len(tokens) - 1), None)
+    slots, node, at = tree.match_prefix(tokens[:-1])
+    if at.parent is None:  # the root: no state on the path, start from the zero state
+        return Match(slots, node, 0, None)
+    return Match(slots, node, at.depth, at.state)
+
+
+def cached_len(tree: RadixCache, tokens: Sequence[int]) -> int:
+    """``match(tree, tokens).cached``, read-only (no split, nothing marked used).
+
+    >>> tree = RadixCache()
+    >>> tree.insert([1, 2, 3], [4, 5, 6])
+    0
+    >>> cached_len(tree, [1, 2, 3]), cached_len(tree, [1, 2, 3, 4]), cached_len(tree, [7])
+    (2, 3, 0)
+    """
+    if not tree.states:
+        return min(tree.peek(tokens)[0], len(tokens) - 1)
+    return tree.peek(tokens[:-1])[1]
+
+
+def give_back(evicted: Evicted, slots: SlotStore, states: SlotStore | None = None) -> None:
+    """Return what an eviction freed to its stores (token slots; snapshot handles).
+
+    >>> kv = ListSlots(4)
+    >>> give_back(Evicted(kv.take(2), []), kv); kv.num_free
+    3
+    """
+    if evicted.slots:
+        slots.give(evicted.slots)
+    if evicted.states:
+        if states is None:
+            raise ValueError(f"the tree evicted states {evicted.states[:8]} but no state "
+                             "store was given")
+        states.give(evicted.states)
+
+
+def make_room(tree: RadixCache, slots: SlotStore, n: int, states: SlotStore | None = None
+              ) -> tuple[list[int] | None, Evicted]:
+    """``n`` free token slots and what was evicted for them: on a shortfall the tree evicts
+    exactly that many tokens' worth of least recently used unlocked prefixes (whole leaves:
+    a few more when a leaf is longer), or, when free and evictable slots together are fewer
+    than ``n``, nothing at all: ``(None, nothing)``, the request waits.
+
+    >>> tree, store = RadixCache(), ListSlots(4)
+    >>> tree.insert([1, 2], store.take(2))
+    0
+    >>> tree.lock(tree.match_prefix([1]).node)
+    >>> make_room(tree, store, 2)  # 1 free, 1 evictable ([2]; [1] is locked)
+    ([2, 3], Evicted(slots=[2], states=[]))
+    """
+    none = Evicted([], [])
+    short = n - slots.num_free
+    if short <= 0:
+        return slots.take(n), none
+    if short > tree.evictable_size:
+        return None, none
+    evicted = tree.evict(short)
+    give_back(evicted, slots, states)
+    if slots.num_free < n:  # unreachable: the evictable prefixes were all evictable
+        return None, evicted
+    return slots.take(n), evicted
+
+
+def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotStore
+                ) -> tuple[list[int], Evicted]:
+    """Up to ``n`` snapshot slots, evicting the least recently used unlocked states (and the
+    token slots of leaves that go with them, given back to ``slots``) when too few are free;
+    what was evicted.
+
+    >>> tree, kv, snaps = RadixCache(states=True), ListSlots(8), ListSlots(3)
+    >>> tree.insert([1, 2], kv.take(2))
+    0
+    >>> [tree.add_state([1], h) for h in snaps.take(1)] + [tree.add_state([1, 2], h)
+    ...                                                   for h in snaps.take(1)]
+    [True, True]
+    >>> take_states(tree, snaps, 1, kv)  # none free: the older state goes ([1] stays)
+    ([1], Evicted(slots=[], states=[1]))
+    """
+    short = n - states.num_free
+    evicted = Evicted([], [])
+    if short > 0:
+        evicted = tree.evict_states(short)
+        give_back(evicted, slots, states)
+    return states.take(n), evicted
