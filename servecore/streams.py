@@ -335,11 +335,17 @@ class Stream(Iterator[tuple[int, int]]):
         s = self._streams
         with s._entered():
             left, self._left = sorted(self._left), set()
-            for rid in left:
+            failed: BaseException | None = None
+            for rid in left:  # every one, even after a cancel failed: none is left orphaned
                 s._delivered(rid)
-                s.core.cancel(rid)
+                try:
+                    s.core.cancel(rid)
+                except BaseException as e:  # noqa: BLE001 - raised below, once all are gone
+                    failed = failed or e
             self._events.clear()
             self._end()
+            if failed is not None:
+                raise failed
 
     def _end(self) -> None:
         if self._bar is not None:

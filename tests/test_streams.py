@@ -279,3 +279,29 @@ def test_max_new_tokens_still_works_for_one_release_with_a_warning():
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give max_tokens"):
         front.add_request([1], 2, max_new_tokens=3)
     assert len(front.generate([[1]])[0]) == 256  # the default, DEFAULT_MAX_TOKENS
+
+
+class _CancelFailsOnce(FakeCore):
+    """A core whose first ``cancel`` raises after dropping its request (a row move failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def cancel(self, rid):
+        live = super().cancel(rid)
+        if not self.failed:
+            self.failed = True
+            raise FakeFailure("cancel failed")
+        return live
+
+
+def test_closing_a_stream_cancels_every_request_even_when_one_cancel_fails():
+    core = _CancelFailsOnce()
+    streams = Streams(core, RequestBuilder(vocab_size=VOCAB))
+    stream = streams.stream([[1], [2], [3], [4]], 5)  # one waits: the core has 3 rows
+    next(stream)
+    with pytest.raises(FakeFailure, match="cancel failed"):
+        stream.close()
+    assert not core.has_work() and not streams.has_unfinished()
+    assert list(stream) == []
