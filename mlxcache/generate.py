@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlx_lm import load
 
-from mlxcache.engine import Engine, _check_options
+from mlxcache.engine import Engine, check_options
 from mlxcache.pool import PoolExhausted
 from servecore.prompts import has_chat_template
 from servecore.sampling import SamplingParams
@@ -71,8 +71,8 @@ def check_flags(args: argparse.Namespace) -> None:
     try:
         check_int("max_tokens", args.max_tokens, 1)
         SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        _check_options(args.num_slots, args.page_size, args.mem_fraction, max_batch_size=1,
-                       prefill_step_size=1, prefix_cache=True)
+        check_options(num_slots=args.num_slots, page_size=args.page_size,
+                      mem_fraction=args.mem_fraction)
     except ValueError as e:
         name, _, rest = str(e).partition("=")
         raise _fail(f"{_FLAGS[name]}={rest}" if name in _FLAGS else str(e)) from None

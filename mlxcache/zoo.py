@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+from mlxcache.engine import Engine, ReuseDisabledWarning
 
 __all__ = [
     "FAMILIES",
@@ -564,10 +567,6 @@ def support_table() -> list[tuple[str, str, str, str]]:
         >>> [row for row in support_table() if row[0] == "gemma3_text"]
         [('gemma3_text', 'KVCache, RotatingKVCache', 'yes', 'yes')]
     """
-    import warnings
-
-    from mlxcache.engine import Engine, ReuseDisabledWarning
-
     rows = []
     for family in FAMILIES:
         model = make(family)

@@ -35,7 +35,8 @@ pytest.importorskip("mlx_lm")
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import llama, mamba  # noqa: E402
 
-import mlxcache.engine as engine_module  # noqa: E402
+import mlxcache.engine.runner as runner_module  # noqa: E402
+import mlxcache.engine.store as store_module  # noqa: E402
 from mlxcache import zoo  # noqa: E402
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache  # noqa: E402
 from mlxcache.engine import Engine  # noqa: E402
@@ -117,7 +118,7 @@ def fresh(model, prompt, max_tokens: int, params: tuple = GREEDY) -> list[int]:
 
 
 def free_slots(engine) -> list[int]:
-    return engine._alloc.free_slots.tolist()
+    return engine.core.store.slots.free_slots.tolist()
 
 
 def assert_consistent(engine) -> None:
@@ -130,7 +131,8 @@ def assert_consistent(engine) -> None:
     assert len(free) == len(set(free)) and 0 not in free
     assert engine.num_free_slots + engine.tree.total_size == engine.num_slots - 1, "leaked"
     if engine.has_states:
-        held, free = [h for _, h in engine.tree.all_states()], engine._state_alloc.free_slots
+        held = [h for _, h in engine.tree.all_states()]
+        free = engine.core.store.state_slots.free_slots
         assert len(held) == len(set(held)) and not set(held) & set(free.tolist())
         assert len(held) + len(free) == engine.num_snapshots - 1, "a snapshot slot leaked"
 
@@ -686,14 +688,14 @@ class _Program:
         self.generated: list[tuple[list, list]] = []
         self.budget = 0
         self.steps = 0
-        real = engine._step
+        real = engine.core.run_round
 
-        def step():
+        def step(emit):
             self.steps += 1
             assert self.steps <= self.budget, f"{self.steps} steps for a budget of {self.budget}"
-            return real()
+            return real(emit)
 
-        engine._step = step
+        engine.core.run_round = step
 
     def charge(self, requests):
         self.budget += sum(1 + m for _, m, _ in requests)
@@ -825,9 +827,9 @@ class _FlakyModel(nn.Module):
 # Where a step can fail: the model's forward, and the host operations between forwards
 # (sampling, the pool write, slot allocation, tree insertion, publishing an answer, and the
 # decode caches' row moves).
-TARGETS = ["model", "sample", "set_kv_all_layers", "_alloc_slots", "_insert", "_publish_answer",
-           "add_row", "remove_row", "set_states", "_alloc_snapshot", "_add_state"]  # fmt: skip
-STATE_TARGETS = {"set_states", "_alloc_snapshot", "_add_state"}  # served on the hybrid model
+TARGETS = ["model", "sample", "set_kv_all_layers", "take_slots", "insert", "publish_answer",
+           "add_row", "remove_row", "set_states", "take_snapshot", "add_state"]  # fmt: skip
+STATE_TARGETS = {"set_states", "take_snapshot", "add_state"}  # served on the hybrid model
 
 
 def _arm(target, fault, model, engine_kwargs, patch):
@@ -838,13 +840,16 @@ def _arm(target, fault, model, engine_kwargs, patch):
         fault.armed = True
         return engine
     engine = make_engine(model, **engine_kwargs)
-    if target in ("sample", "set_kv_all_layers", "set_states"):
-        patch.setattr(engine_module, target, fault.wrap(getattr(engine_module, target)))
+    if target == "sample":
+        patch.setattr(runner_module, target, fault.wrap(getattr(runner_module, target)))
+    elif target in ("set_kv_all_layers", "set_states"):
+        patch.setattr(store_module, target, fault.wrap(getattr(store_module, target)))
     elif target in ("add_row", "remove_row"):
         for cls in (RaggedKVCache, RaggedArraysCache):
             patch.setattr(cls, target, fault.wrap(getattr(cls, target)))
-    else:
-        setattr(engine, target, fault.wrap(getattr(engine, target)))
+    else:  # the prefix store's methods
+        store = engine.core.store
+        setattr(store, target, fault.wrap(getattr(store, target)))
     return engine
 
 

@@ -35,6 +35,18 @@ MLXCACHE_API = [
     "mlxcache.cache",
     "mlxcache.layers",
     "mlxcache.engine",
+    "mlxcache.engine.engine",
+    "mlxcache.engine.support",
+    "mlxcache.engine.options",
+    "mlxcache.engine.stats",
+    "mlxcache.engine.sizing",
+    "mlxcache.engine.forward",
+    "mlxcache.engine.job",
+    "mlxcache.engine.store",
+    "mlxcache.engine.admission",
+    "mlxcache.engine.runner",
+    "mlxcache.engine.runner_pooled",
+    "mlxcache.engine.runner_plain",
     "mlxcache.sampling",
     "mlxcache.testing",
     "mlxcache.zoo",
@@ -55,8 +67,7 @@ SERVECORE_API = [
     "servecore.engine",
     "servecore.testing",
 ]
-NEEDS_MLX = {"mlxcache.pool", "mlxcache.cache", "mlxcache.layers", "mlxcache.engine",
-             "mlxcache.sampling", "mlxcache.zoo"}
+NEEDS_MLX = {n for n in MLXCACHE_API if n not in ("mlxcache.radix", "mlxcache.testing")}
 
 
 def mlxcache_params(names):

@@ -298,14 +298,15 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
     uncached)) of the N waiting: many short suffixes in a few batches, cold prompts alone;
     an explicit ``prefill_batch_tokens`` is only a cap. Outputs stay mlx-lm's."""
     import mlxcache.engine as eng
+    from mlxcache.engine.runner import Runner
 
     rng = random.Random(23)
     sizes: list[int] = []
-    prefill = eng.Engine._prefill
-    monkeypatch.setattr(eng.Engine, "_prefill",
+    prefill = Runner._prefill
+    monkeypatch.setattr(Runner, "_prefill",
                         lambda self, reqs: sizes.append(len(reqs)) or prefill(self, reqs))
     engine = Engine(llama_model, num_slots=1024)
-    assert engine._forward_cost == eng.CPU_FORWARD_COST_TOKENS == 28  # the tests run on CPU
+    assert engine.core.admission.forward_cost == eng.CPU_FORWARD_COST_TOKENS == 28  # on CPU
     prefix = tokens(rng, 24)
     engine.generate([prefix], max_tokens=1)
     sizes.clear()
@@ -327,9 +328,9 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
 
 def test_a_long_request_is_not_overtaken_forever(llama_model, monkeypatch):
     """A waiting request overtaken MAX_OVERTAKEN times by shorter ones goes next."""
-    import mlxcache.engine as eng
+    from mlxcache.engine import admission
 
-    monkeypatch.setattr(eng, "MAX_OVERTAKEN", 2)
+    monkeypatch.setattr(admission, "MAX_OVERTAKEN", 2)
     rng = random.Random(22)
     engine = Engine(llama_model, num_slots=512, prefill_batch_tokens=1)
     prompts = [tokens(rng, 30)] + [tokens(rng, 2) for _ in range(6)]
@@ -509,7 +510,7 @@ def test_stop_tokens_end_a_request(llama_model):
         ([[1, 2], [3, VOCAB]], {}, f"prompt 1: token 1 is {VOCAB}, outside the vocabulary"),
         ([[1, -1]], {}, "token 1 is -1"),
         ([[1, 2]], {"max_tokens": 0}, r"max_tokens=0 must be an int in \[1, "),
-        ([[1, 2], [3]], {"max_tokens": [2, 2.0]}, r"max_tokens\[1\]=2.0 must be an int"),
+        ([[1, 2], [3]], {"max_tokens": [2, 2.0]}, r"prompt 1: max_tokens=2.0 must be an int"),
         ([[1, 2]], {"temperature": -1.0}, r"temperature=-1.0 must be >= 0"),
         ([[1, 2]], {"top_p": 0.0}, r"top_p=0.0 must be in"),
         ([[1, 2], [3]], {"top_k": [0, 2**63]}, "prompt 1: top_k=9223372036854775808"),
@@ -621,7 +622,7 @@ def test_pool_is_sized_from_memory_when_not_given(llama_model):
 
 def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch, llama_model):
     """A 64 MiB container on a host with 512 GiB available sizes its pool from the 64 MiB."""
-    import mlxcache.engine as engine_module
+    from mlxcache.engine import sizing
     from servecore import memory
 
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
@@ -632,7 +633,7 @@ def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch
     (cgroup / "app" / "memory.max").write_text(str(64 << 20))
     (cgroup / "app" / "memory.current").write_text("0")
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
-    monkeypatch.setattr(engine_module, "memory_budget",
+    monkeypatch.setattr(sizing, "memory_budget",
                         lambda: memory.memory_budget(proc, cgroup))
     engine = Engine(llama_model, mem_fraction=0.5)
     per_slot = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 kv heads, head_dim 16, float32

@@ -145,7 +145,7 @@ def test_a_long_session_stays_within_the_configured_memory():
     arrays), the tree never holds more than they have, and both evict to make room."""
     family = "qwen3_next"
     e = engine(family, num_slots=120, num_snapshots=10)
-    budget = e.num_slots * e._pool.bytes_per_slot + e.num_snapshots * e.snapshot_bytes
+    budget = e.num_slots * e.core.store.pool.bytes_per_slot + e.num_snapshots * e.snapshot_bytes
     assert e.cache_bytes == budget
     for session in range(3):
         turn = tokens(70 + session, 15)
@@ -162,11 +162,11 @@ def test_a_long_session_stays_within_the_configured_memory():
 
 
 def test_snapshots_take_a_quarter_of_an_automatic_budget(monkeypatch):
-    import mlxcache.engine as engine_module
+    from mlxcache.engine import sizing
 
-    monkeypatch.setattr(engine_module, "_memory_budget", lambda: (64 << 20, "test"))
+    monkeypatch.setattr(sizing, "_memory_budget", lambda: (64 << 20, "test"))
     e = Engine(model_of("qwen3_next"), mem_fraction=0.5)
-    kv_bytes = e.num_slots * e._pool.bytes_per_slot
+    kv_bytes = e.num_slots * e.core.store.pool.bytes_per_slot
     snap_bytes = e.num_snapshots * e.snapshot_bytes
     assert kv_bytes + snap_bytes <= 32 << 20
     assert 0.2 < snap_bytes / (kv_bytes + snap_bytes) < 0.3
@@ -184,7 +184,7 @@ def test_a_sliding_layer_holds_only_its_window(family):
     e.generate([p], max_tokens=2)
     stream = e.stream([p + tokens(91, 4)], max_tokens=4)
     got = [next(stream)[1], next(stream)[1]]
-    caches = leaves(e._batch.caches)
+    caches = leaves(e.core.path.batch.caches)
     ran = max(c.end(0) for c in caches)  # the prompt and the tokens decoded so far
     assert ran > len(p) + 4
     for leaf, c in zip(e.layout.leaves, caches, strict=True):

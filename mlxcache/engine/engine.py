@@ -1,0 +1,349 @@
+"""``Engine``: serve an unmodified mlx-lm model with radix prefix reuse and continuous
+batching. A thin facade: ``Support`` says what the model allows, ``Runner`` is the core
+(``servecore.engine.EngineCore``), ``servecore.streams.Streams`` gives every user the
+contract both engines share.
+
+Examples:
+    >>> from mlxcache.zoo import make_model
+    >>> Engine(make_model(), num_slots=32).generate([[1, 2, 3]], max_tokens=2)[0].__len__()
+    2
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.nn as nn
+
+from mlxcache.engine.options import check_options
+from mlxcache.engine.runner import Runner
+from mlxcache.engine.stats import EngineStats
+from mlxcache.engine.support import ReuseDisabledWarning, Support
+from mlxcache.layers import Layout
+from servecore.prompts import Prompt
+from servecore.radix import RadixCache
+from servecore.requests import GenerationRequest, RequestBuilder
+from servecore.streams import Stream, Streams
+from servecore.validate import check_int, eos_token_ids
+
+__all__ = ["Engine"]
+
+
+def _vocab_size(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            return module.weight.shape[0]
+    raise ValueError("cannot tell the model's vocabulary size (no args.vocab_size, no Embedding)")
+
+
+class Engine:
+    """Serve an unmodified mlx-lm model with radix prefix reuse and continuous batching.
+
+    Args:
+        model: an mlx-lm model (``model(inputs, cache=...)`` -> logits).
+        tokenizer: optional (mlx-lm ``TokenizerWrapper`` or HF tokenizer); needed for text
+            and chat prompts and for ``generate(..., text=True)``; its EOS ids are the
+            default stop tokens.
+        num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
+            memory times ``mem_fraction`` (Metal working set on Apple silicon, else
+            ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
+            capped at ``MAX_AUTO_SLOTS`` (``mlxcache.engine.sizing``).
+        page_size: radix tree granularity in tokens.
+        mem_fraction: share of free memory the automatic pool may take.
+        max_batch_size: most requests decoded at once.
+        prefix_cache: False serves the same way without a pool or tree (no reuse).
+        prefill_step_size: most tokens (padding included) in one prefill forward; a longer
+            prompt runs alone, in chunks of this many tokens.
+        num_snapshots, snapshot_interval: hybrid models: the state pool's size (None: a
+            quarter of the cache memory) and the grid of snapshot depths.
+        prefill_batch_tokens: most uncached tokens admitted into one prefill batch (a request
+            alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, and
+            there the batch is also sized for the mean TTFT (``CPU_FORWARD_COST_TOKENS``);
+            ``prefill_step_size`` on a GPU (``mlxcache.engine.admission``).
+
+    Scheduling, for time to first token: a round that admitted a prefill batch does not
+    decode while admissible requests still wait (prefill first, as SGLang schedules), and
+    admission takes the waiting request with the fewest uncached tokens first.
+
+    Models whose cache is not one the engine knows (``RotatingKVCache`` with keep,
+    ``QuantizedKVCache``, ...) are served without reuse, one request per forward with mlx-lm's
+    own caches, after a ``ReuseDisabledWarning``; so are models whose attention rejects
+    per-row positions, or whose recurrent layers take padding into their state, minus the
+    reuse restriction (``mlxcache.engine.support``).
+
+    One engine, many users: ``generate``, ``stream``, ``add_request`` / ``step`` / ``abort``
+    keep the contract of ``servecore.streams`` (interleaved streams, threads serialized by one
+    lock, a round at a time, failures mid-round dropping only what the round served). MLX
+    (>= 0.31.2) ties an array that is not yet scheduled to the thread that built it, so every
+    round leaves all the device state it keeps scheduled (``mx.async_eval``, no wait) before
+    another thread comes in; tested with four threads.
+
+    Examples:
+        >>> from mlxcache.zoo import make_model     # a tiny random llama, or mlx_lm.load(path)
+        >>> engine = Engine(make_model(), num_slots=128, max_batch_size=4)
+        >>> engine.num_slots, engine.num_free_slots
+        (128, 127)
+        >>> events = list(engine.stream([[5, 6, 7], [8, 9]], max_tokens=2))
+        >>> sorted(i for i, _ in events)                # (prompt index, token) pairs
+        [0, 0, 1, 1]
+        >>> engine.num_free_slots + engine.tree.total_size   # every slot is free or cached
+        127
+
+        Two streams read alternately, with a ``generate`` between reads: each gets what the
+        same prompts get served together.
+
+        >>> want = engine.generate([[5, 6, 7], [8, 9]], max_tokens=3)
+        >>> a, b = engine.stream([[5, 6, 7]], max_tokens=3), engine.stream([[8, 9]], max_tokens=3)
+        >>> got_a, got_b = [next(a)[1]], [next(b)[1]]
+        >>> got_a.append(next(a)[1])
+        >>> engine.generate([[8, 9]], max_tokens=3) == [want[1]]
+        True
+        >>> got_b += [t for _, t in b]                 # b to its end while a is still open
+        >>> got_a += [t for _, t in a]
+        >>> [got_a, got_b] == want, engine.tree.protected_size   # nothing left locked
+        (True, 0)
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, *, num_slots: int | None = None,
+                 page_size: int = 1, mem_fraction: float = 0.5, max_batch_size: int = 32,
+                 prefix_cache: bool = True, prefill_step_size: int = 2048,
+                 num_snapshots: int | None = None, snapshot_interval: int = 256,
+                 prefill_batch_tokens: int | None = None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
+                             f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
+        self.options = check_options(
+            num_slots=num_slots, page_size=page_size, mem_fraction=mem_fraction,
+            max_batch_size=max_batch_size, prefix_cache=prefix_cache,
+            prefill_step_size=prefill_step_size, num_snapshots=num_snapshots,
+            snapshot_interval=snapshot_interval, prefill_batch_tokens=prefill_batch_tokens)
+        # The tokenizer's EOS ids, whichever form it keeps them in (mlx-lm: a set; Hugging
+        # Face: an int, a list or None; transformers 5 may give eos_token_ids as an int).
+        eos = eos_token_ids(tokenizer)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = _vocab_size(model)
+        self.stats = EngineStats()
+        self.support = Support.probe(model, self.options.prefix_cache)
+        for note in self.support.notes:
+            warnings.warn(f"mlxcache: {note}", ReuseDisabledWarning, stacklevel=2)
+        self.core = Runner(model, self.support, self.options, self.stats)
+        self.streams = Streams(self.core, RequestBuilder(
+            vocab_size=self.vocab_size, tokenizer=tokenizer, eos_ids=eos, check=self._fits))
+
+    def _fits(self, name: str, request: GenerationRequest) -> None:
+        """A prompt must fit the KV pool (with reuse): it is inserted whole."""
+        n = len(request.tokens)
+        if self.reuse and n > self.num_slots - 1:
+            raise ValueError(f"{name} has {n} tokens but the KV pool holds at most "
+                             f"{self.num_slots - 1} (num_slots={self.num_slots}); raise "
+                             "num_slots")
+
+    # ------------------------------------------------------------------ the model ----
+
+    page_size = property(lambda self: self.options.page_size, doc="Radix tree page, tokens.")
+    max_batch_size = property(lambda self: self.options.max_batch_size,
+                              doc="Most requests decoded at once.")
+    prefill_step_size = property(lambda self: self.options.prefill_step_size,
+                                 doc="Most tokens in one prefill forward.")
+    snapshot_interval = property(lambda self: self.options.snapshot_interval,
+                                 doc="Hybrid models: the grid of snapshot depths.")
+    supported = property(lambda self: self.support.supported,
+                         doc="Served with the engine's own caches (``Support.supported``).")
+    reuse = property(lambda self: self.support.reuse, doc="Prefix reuse (``Support.reuse``).")
+    batched = property(lambda self: self.support.batched,
+                       doc="Many requests per forward (``Support.batched``).")
+    has_states = property(lambda self: self.support.has_states,
+                          doc="Recurrent layers, snapshotted (``Support.has_states``).")
+    pads_exactly = property(lambda self: self.support.pads_exactly,
+                            doc="A prefill row may be padded part-way.")
+
+    @property
+    def prefill_batch_tokens(self) -> int:
+        """Most uncached tokens admitted into one prefill batch."""
+        return self.core.admission.prefill_batch_tokens
+
+    @property
+    def layout(self) -> Layout:
+        """The model's caches (``mlxcache.layers.Layout``)."""
+        return self.support.layout
+
+    @property
+    def num_layers(self) -> int:
+        """The model's layers (cache entries)."""
+        return len(self.layout.entries)
+
+    @property
+    def cache_kinds(self) -> tuple[str, ...]:
+        """Every cache kind the model uses, by name."""
+        return self.layout.kinds
+
+    # ------------------------------------------------------------------- the cache ----
+
+    @property
+    def num_slots(self) -> int:
+        """Pool size in slots (0 without reuse)."""
+        return self.core.store.num_slots if self.core.store is not None else 0
+
+    @property
+    def num_free_slots(self) -> int:
+        """Pool slots not held by the radix tree nor by a running request (0 without reuse)."""
+        return self.core.store.num_free_slots if self.core.store is not None else 0
+
+    @property
+    def num_snapshots(self) -> int:
+        """State pool size in snapshot slots (0 without states or reuse)."""
+        return self.core.store.num_snapshots if self.core.store is not None else 0
+
+    @property
+    def num_free_snapshots(self) -> int:
+        """Snapshot slots not held by the radix tree."""
+        return self.core.store.num_free_snapshots if self.core.store is not None else 0
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one snapshot: every recurrent layer's state arrays of one request."""
+        return self.core.store.snapshot_bytes if self.core.store is not None else 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV pool and the state pool together (fixed at construction)."""
+        return self.core.store.cache_bytes if self.core.store is not None else 0
+
+    @property
+    def tree(self) -> RadixCache | None:
+        """The radix tree (None without reuse). Read it; do not modify it."""
+        return self.core.store.tree if self.core.store is not None else None
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix that no running request holds: evict all that is
+        evictable and free its slots.
+
+        Safe at any point, streams open or not: a running request's locked prefix stays until
+        the request finishes (then it and its answer are cached as usual); requests that have
+        not started hold nothing. With nothing running, the tree ends empty and every slot is
+        free. Not counted in ``stats.token_evictions``.
+
+        Examples:
+            >>> from mlxcache.zoo import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> events = engine.stream([[1, 2, 3, 4]], max_tokens=4)
+            >>> _ = next(events)                          # running: its prompt is locked
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.tree.protected_size
+            (4, 4)
+            >>> _ = list(events)                          # finished: prompt + answer cached
+            >>> engine.reset_cache()
+            >>> engine.tree.total_size, engine.num_free_slots
+            (0, 63)
+        """
+        with self.streams.serialized():
+            if self.core.store is not None:
+                self.core.store.reset()
+
+    # ------------------------------------------------------------------------- API ----
+
+    def generate(self, prompts: Sequence[Prompt], max_tokens: int | Sequence[int] = 256,
+                 temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
+                 top_k: int | Sequence[int] = 0, seed: int | None | Sequence[int | None] = None,
+                 stop_token_ids: Sequence[int] | None = None, *, text: bool = False,
+                 progress: bool = False) -> list[list[int]] | list[str]:
+        """Generated token ids per prompt (a stop token, when hit, is the last one), or with
+        ``text=True`` their text (``servecore.prompts.decode``: the tokenizer's decoding,
+        without the stop token that ended the request). The arguments are ``stream``'s.
+
+        Examples:
+            >>> from mlxcache.zoo import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> outs = engine.generate([[1, 2, 3], [4, 5]], max_tokens=[2, 3],
+            ...                        temperature=[0.0, 0.8], seed=[None, 7])
+            >>> [len(o) for o in outs]
+            [2, 3]
+
+            With a tokenizer, prompts may be text or chats, and the answers text
+            (``servecore.testing.word_tokenizer``: the word ``wN`` is token ``N``):
+
+            >>> from servecore.testing import word_tokenizer
+            >>> engine = Engine(make_model(), word_tokenizer(1000), num_slots=64)
+            >>> chat = [{"role": "user", "content": "w7 w8"}]
+            >>> ids = engine.generate([[4, 7, 8, 5]], max_tokens=3)[0]
+            >>> engine.generate([chat], max_tokens=3)[0] == ids  # <|user|> w7 w8 <|assistant|>
+            True
+            >>> engine.generate([chat], max_tokens=3, text=True)[0] == engine.tokenizer.decode(ids)
+            True
+        """
+        return self.streams.generate(
+            prompts, _given(max_tokens), temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop_token_ids=stop_token_ids, progress=progress, text=text)
+
+    def stream(self, prompts: Sequence[Prompt], max_tokens: int | Sequence[int] = 256,
+               temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
+               top_k: int | Sequence[int] = 0, seed: int | None | Sequence[int | None] = None,
+               stop_token_ids: Sequence[int] | None = None, *, progress: bool = False
+               ) -> Stream:
+        """``(prompt_index, token)`` as tokens are produced, all prompts concurrently.
+
+        Args:
+            prompts: a list (or any iterable, read once) of prompts, each a list or 1-D int
+                array of token ids, a string, or a chat (a list of ``{"role": ..., "content":
+                ...}`` dicts, rendered by the tokenizer's chat template); text and chats need
+                a tokenizer. One prompt alone is ``[prompt]`` (``servecore.prompts`` has the
+                rule).
+            max_tokens: >= 1 tokens per request.
+            temperature: 0 is greedy.
+            top_p: nucleus filter mass (1.0 = off).
+            top_k: top-k filter (0 = off).
+            seed: per-request reproducible sampling (None: MLX's global generator).
+            stop_token_ids: finish a request on any of these: one id or a list (default: the
+                tokenizer's EOS ids).
+            progress: a tqdm bar of the tokens on stderr when it is a terminal.
+
+        Every sampling argument and ``max_tokens`` is one value for all prompts or a list (or
+        1-D NumPy array) with one per prompt. All inputs are checked before anything is
+        queued (``servecore.requests``): a ValueError names the bad value; nothing is rounded
+        or coerced. The requests are queued at once; the returned ``servecore.streams.Stream``
+        advances the engine as it is read, and closing it (``close()``, leaving a ``with``
+        block, dropping it) releases those not finished.
+        """
+        return self.streams.stream(
+            prompts, _given(max_tokens), temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop_token_ids=stop_token_ids, progress=progress)
+
+    def add_request(self, prompt: Prompt, max_tokens: int = 256, **sampling: Any) -> int:
+        """Queue one request (``servecore.streams.Streams.add_request``); its id.
+
+        Examples:
+            >>> from mlxcache.zoo import make_model
+            >>> engine = Engine(make_model(), num_slots=32)
+            >>> rid = engine.add_request([1, 2, 3], 2)
+            >>> while engine.has_unfinished():
+            ...     done = [f for _, _, f in engine.step()]
+            >>> done
+            [True]
+        """
+        return self.streams.add_request(prompt, _given(max_tokens), **sampling)
+
+    def step(self) -> list[tuple[int, int | None, bool]]:
+        """One round: ``(request id, token, finished)`` of ``add_request``'s requests."""
+        return self.streams.step()
+
+    def abort(self, rid: int) -> bool:
+        """End request ``rid`` at once (``servecore.streams.Streams.abort``)."""
+        return self.streams.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued, running or has tokens in flight."""
+        return self.streams.has_unfinished()
+
+
+def _given(max_tokens: Any) -> Any:
+    """``max_tokens`` as given: None is no default here, but a bad value (named)."""
+    if max_tokens is None:
+        check_int("max_tokens", max_tokens, 1)
+    return max_tokens

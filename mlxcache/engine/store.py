@@ -1,0 +1,390 @@
+"""The prefix store: the KV pool, the state pool, their slot allocators and the radix tree,
+kept consistent, with the prefix policy of ``servecore.prefix``.
+
+The tree owns the slots (and snapshot slots) stored in it; a running request owns the slots
+it allocated until its prompt is inserted (``Job.pending``); every other slot is free. The
+store's methods keep that true: ``reserve`` locks a request's matched prefix and allocates the
+rest (``servecore.prefix.make_room``: evict exactly the shortfall, or nothing and wait),
+``publish_prompts`` / ``publish_answer`` write the new K/V to the pool and insert them,
+``snapshot`` stores recurrent states (``take_states``), ``reconcile`` rebuilds the allocators
+from the tree after a failure.
+
+Examples:
+    >>> from mlxcache.engine.options import check_options
+    >>> from mlxcache.engine.stats import EngineStats
+    >>> from mlxcache.engine.support import Support
+    >>> from mlxcache.zoo import make_model
+    >>> store = PrefixStore.build(Support.probe(make_model()), check_options(num_slots=16),
+    ...                           EngineStats())
+    >>> store.num_slots, store.num_free_slots, store.match([1, 2]).cached
+    (16, 15, 0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.cache import RaggedArraysCache, RaggedKVCache
+from mlxcache.engine.forward import arrays_in
+from mlxcache.engine.job import Job
+from mlxcache.engine.options import Options
+from mlxcache.engine.sizing import pool_sizes
+from mlxcache.engine.stats import EngineStats
+from mlxcache.engine.support import Support
+from mlxcache.layers import build, leaves
+from mlxcache.pool import (
+    SlotAllocator,
+    alloc,
+    bytes_per_token_slot,
+    free,
+    get_states,
+    init_allocator,
+    init_pool,
+    init_state_pool,
+    set_kv_all_layers,
+    set_states,
+)
+from servecore.prefix import Match, cached_len, give_back, make_room, match, take_states
+from servecore.radix import Evicted, RadixCache, TreeNode
+from servecore.snapshots import snapshot_points
+
+__all__ = ["AllocatorSlots", "PrefixStore"]
+
+log = logging.getLogger("mlxcache")
+
+
+class AllocatorSlots:
+    """``mlxcache.pool``'s allocator (a value) as a ``servecore.prefix.SlotStore``.
+
+    >>> s = AllocatorSlots(init_allocator(4))
+    >>> s.take(2), s.num_free
+    ([1, 2], 1)
+    """
+
+    def __init__(self, allocator: SlotAllocator):
+        self.allocator = allocator
+
+    @property
+    def num_free(self) -> int:
+        """Slots ``take`` can hand out."""
+        return self.allocator.num_free
+
+    @property
+    def free_slots(self) -> np.ndarray:
+        """The free slots (read-only)."""
+        return self.allocator.free_slots
+
+    def take(self, n: int) -> list[int]:
+        """Up to ``n`` free slots."""
+        self.allocator, slots, _ = alloc(self.allocator, min(n, self.num_free))
+        return slots
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Return ``slots`` (a double free is a ValueError)."""
+        self.allocator = free(self.allocator, slots)
+
+    def rebuild(self, held: list[int]) -> None:
+        """Every slot free but exactly ``held`` (and the sink)."""
+        n = self.allocator.num_slots
+        mask = np.zeros(n, dtype=bool)
+        mask[0] = True  # the sink is never free
+        mask[held] = True
+        everything, _, _ = alloc(init_allocator(n), n - 1)
+        self.allocator = free(everything, np.flatnonzero(~mask))
+
+
+class PrefixStore:
+    """The pools, allocators and tree of an engine with prefix reuse (see the module
+    docstring). ``build`` sizes and allocates them.
+
+    >>> from mlxcache.engine import Engine
+    >>> from mlxcache.zoo import make_model
+    >>> store = Engine(make_model(), num_slots=32).core.store
+    >>> store.cache_bytes == store.num_slots * store.pool.bytes_per_slot
+    True
+    """
+
+    def __init__(self, support: Support, opts: Options, stats: EngineStats, num_slots: int,
+                 num_snapshots: int):
+        self.layout = support.layout
+        self.has_states = support.has_states
+        self.page_size = opts.page_size
+        self.snapshot_interval = opts.snapshot_interval
+        self.stats = stats
+        heads, head_dim, v_head_dim, dtype = support.kv
+        self.pool = init_pool(len(self.layout.kv_leaves), num_slots, heads, head_dim, dtype,
+                              v_head_dim)
+        self.slots = AllocatorSlots(init_allocator(num_slots))
+        self.tree = RadixCache(opts.page_size, states=self.has_states)
+        self.states = self.state_slots = None
+        if self.has_states:
+            self.states = init_state_pool(
+                [x for leaf in self.layout.like for x in leaf if x is not None], num_snapshots)
+            self.state_slots = AllocatorSlots(init_allocator(num_snapshots))
+        mx.eval(self.arrays())
+
+    @classmethod
+    def build(cls, support: Support, opts: Options, stats: EngineStats) -> PrefixStore:
+        """A store sized by ``opts`` (``mlxcache.engine.sizing``) for ``support``'s model."""
+        layout = support.layout
+        heads, head_dim, v_head_dim, dtype = support.kv
+        n_kv = len(layout.kv_leaves)
+        per_slot = bytes_per_token_slot(n_kv, heads, head_dim, dtype, v_head_dim)
+        per_snapshot = sum(math.prod(x[0]) * x[1].size for leaf in layout.like
+                           for x in leaf if x is not None)
+        sizes = pool_sizes(per_slot=per_slot, per_snapshot=per_snapshot,
+                           num_slots=opts.num_slots, num_snapshots=opts.num_snapshots,
+                           mem_fraction=opts.mem_fraction, has_states=support.has_states)
+        store = cls(support, opts, stats, sizes.num_slots, sizes.num_snapshots)
+        log.info(
+            "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d attention layers, %d kv "
+            "heads, head_dim %d, %s, page_size %d; state pool %d snapshots x %d B",
+            sizes.num_slots, per_slot, sizes.num_slots * per_slot / 2**30, sizes.origin, n_kv,
+            heads, head_dim, dtype, opts.page_size, store.num_snapshots, store.snapshot_bytes,
+        )  # fmt: skip
+        return store
+
+    # ------------------------------------------------------------------ sizes ----
+
+    @property
+    def num_slots(self) -> int:
+        """KV pool size in slots."""
+        return self.pool.num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots held by neither the tree nor a running request."""
+        return self.slots.num_free
+
+    @property
+    def num_snapshots(self) -> int:
+        """State pool size in snapshot slots (0 without states)."""
+        return self.states.num_slots if self.states is not None else 0
+
+    @property
+    def num_free_snapshots(self) -> int:
+        """Snapshot slots not held by the tree."""
+        return self.state_slots.num_free if self.state_slots is not None else 0
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one snapshot: every recurrent layer's state arrays of one request."""
+        return self.states.bytes_per_slot if self.states is not None else 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV pool and the state pool together."""
+        return sum(x.nbytes for x in (self.pool, self.states) if x is not None)
+
+    def arrays(self) -> list[mx.array]:
+        """The pools' arrays (to schedule or evaluate)."""
+        return arrays_in([self.pool, self.states and self.states.arrays])
+
+    # ----------------------------------------------------------------- policy ----
+
+    def match(self, tokens: list[int]) -> Match:
+        """What ``tokens`` may take from the tree (``servecore.prefix.match``)."""
+        return match(self.tree, tokens)
+
+    def cached(self, tokens: list[int]) -> int:
+        """The tokens ``match`` would let a request skip, read-only."""
+        return cached_len(self.tree, tokens)
+
+    def free(self, evicted: Evicted) -> None:
+        """Give what the tree evicted back to the allocators."""
+        give_back(evicted, self.slots, self.state_slots)
+
+    def reset(self) -> None:
+        """Evict everything evictable (``Engine.reset_cache``; not counted as evictions)."""
+        self.free(self.tree.evict(self.tree.evictable_size))
+        if self.has_states:
+            self.free(self.tree.evict_states(self.tree.num_states))
+
+    def take_slots(self, n: int) -> list[int] | None:
+        """``n`` free slots, evicting exactly the shortfall or nothing (then None)."""
+        slots, evicted = make_room(self.tree, self.slots, n, self.state_slots)
+        self.stats.token_evictions += len(evicted.slots)
+        self.stats.state_evictions += len(evicted.states)
+        return slots
+
+    def take_snapshot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used unlocked state if none is
+        free; None if none can be had (the snapshot is skipped: the cache is only less
+        useful)."""
+        got, evicted = take_states(self.tree, self.state_slots, 1, self.slots)
+        self.stats.state_evictions += len(evicted.states)
+        self.stats.token_evictions += len(evicted.slots)
+        return got[0] if got else None
+
+    def reserve(self, job: Job, m: Match) -> bool:
+        """Lock the matched prefix and allocate slots for the tokens the tree lacks; False to
+        wait. A full hit needs none: the token it recomputes is in the tree already. Hybrid
+        models also plan where the prefill takes snapshots (``servecore.snapshots``)."""
+        self.tree.lock(m.node)
+        new = self.take_slots(len(job.tokens) - len(m.slots))
+        if new is None:
+            self.tree.unlock(m.node)
+            return False
+        job.node, job.tree_slots, job.cached, job.pending = m.node, m.slots, m.cached, new
+        job.restore = m.restore
+        if self.has_states:
+            job.points = [d for d in snapshot_points(len(job.tokens), len(m.slots), m.cached,
+                                                     self.snapshot_interval)
+                          if d % self.page_size == 0]
+        return True
+
+    # ------------------------------------------------------------- the caches ----
+
+    def prefix_caches(self, jobs: list[Job]) -> list[Any]:
+        """The engine's caches for a prefill batch: each row starts from its cached prefix,
+        the attention layers' K/V gathered from the pool, the recurrent layers' state copied
+        from its snapshot (copy-on-write: the snapshot stays as it was)."""
+        layout = self.layout
+        prefixes = [j.tree_slots[: j.cached] for j in jobs]
+        widest = max(len(j.tokens) - j.cached for j in jobs)  # the prefill's widest row
+        flat = list(layout.leaves)
+        out: list[Any] = [None] * len(flat)
+        kv = RaggedKVCache.from_pool_layers(
+            self.pool, range(len(layout.kv_leaves)), prefixes,
+            [flat[i].window for i in layout.kv_leaves], reserve=widest)
+        for i, cache in zip(layout.kv_leaves, kv, strict=True):
+            out[i] = cache
+        if self.has_states:
+            restoring = [k for k, j in enumerate(jobs) if j.restore is not None]
+            got = (get_states(self.states, [jobs[k].restore for k in restoring])
+                   if restoring else ())
+            at = {k: n for n, k in enumerate(restoring)}
+            arrays = itertools.count()
+            for leaf, like in zip(layout.state_leaves, layout.like, strict=True):
+                which = [None if x is None else next(arrays) for x in like]
+                rows = [None if k not in at else
+                        [None if w is None else got[w][at[k] : at[k] + 1] for w in which]
+                        for k in range(len(jobs))]
+                out[leaf] = RaggedArraysCache.from_rows(flat[leaf].size, like, rows)
+        return build(layout, leaf_caches=out)
+
+    def snapshot(self, caches: list[Any], rows: list[int], depths: list[int]
+                 ) -> list[tuple[int, int, int]]:
+        """Store the recurrent states of ``rows`` of ``caches`` in the state pool (one slot
+        each, while slots can be had); ``(row, depth, slot)`` of those stored."""
+        taken = []
+        for row, depth in zip(rows, depths, strict=True):
+            slot = self.take_snapshot()
+            if slot is None:
+                break
+            taken.append((row, depth, slot))
+        if taken:
+            flat = leaves(caches)
+            states = [mx.concatenate([flat[i].row(row)[j] for row, _, _ in taken])
+                      for i, like in zip(self.layout.state_leaves, self.layout.like, strict=True)
+                      for j, x in enumerate(like) if x is not None]
+            self.states = set_states(self.states, [slot for _, _, slot in taken], states)
+            self.stats.snapshots_taken += len(taken)
+        return taken
+
+    def publish_prompts(self, jobs: list[Job], caches: list[Any],
+                        snaps: list[tuple[int, int, int]]) -> None:
+        """Write the new K/V to the pool, insert the prompts (and hang the snapshots taken
+        along them on the tree), move each lock onto its prompt."""
+        new = [(i, j) for i, j in enumerate(jobs) if j.pending]  # a full hit writes nothing
+        if new:
+            flat = leaves(caches)
+            kv = [flat[i] for i in self.layout.kv_leaves]
+            rows = [[c.row(i, len(j.tree_slots)) for i, j in new] for c in kv]
+            self.pool = set_kv_all_layers(
+                self.pool,
+                mx.array([s for _, j in new for s in j.pending], dtype=mx.int32),
+                [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
+                [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
+            )
+            mx.async_eval(self.pool)  # scheduled (in place); the tree work below overlaps it
+        for job in jobs:
+            self.insert(job.tokens, job.tree_slots + job.pending, len(job.tree_slots))
+            job.pending = []
+        for row, depth, slot in snaps:
+            self.add_state(jobs[row].tokens[:depth], slot)
+        for job in jobs:
+            slots, node, _ = self.tree.match_prefix(job.tokens)
+            self.tree.lock(node)
+            self.tree.unlock(job.node)
+            job.node, job.tree_slots = node, slots
+
+    def publish_answer(self, job: Job, caches: list[Any], row: int) -> None:
+        """Write the K/V of the generated tokens that ran (all of them: a request finishes in
+        the step that fed its last token) to the pool and insert prompt + answer; hybrid
+        models also snapshot the state there, for the next turn of a conversation."""
+        flat = leaves(caches)
+        kv = [flat[i] for i in self.layout.kv_leaves]
+        ran = kv[0].end(row)
+        seq = (job.tokens + job.output)[:ran]
+        total = len(seq) - len(seq) % self.page_size
+        start = len(job.tree_slots)
+        if total <= start:
+            return
+        new = self.take_slots(total - start)
+        if new is None:  # the pool is full of locked prefixes: skip caching this answer
+            return
+        rows = [c.row(row, start) for c in kv]
+        self.pool = set_kv_all_layers(
+            self.pool,
+            mx.array(new, dtype=mx.int32),
+            [k[:, :, : total - start] for k, _ in rows],
+            [v[:, :, : total - start] for _, v in rows],
+        )
+        mx.eval(self.pool)
+        self.insert(seq[:total], job.tree_slots + new, start)
+        if self.has_states and total == ran:
+            taken = self.snapshot(caches, [row], [ran])
+            mx.eval(self.states)
+            for _, depth, slot in taken:
+                self.add_state(seq[:depth], slot)
+
+    def add_state(self, tokens: list[int], slot: int) -> None:
+        """Hang snapshot ``slot`` on the tree at ``tokens``' end; give it back if the tree
+        has a state there already (or lacks the tokens: their K/V were not kept)."""
+        if not self.tree.add_state(tokens, slot):
+            self.state_slots.give([slot])
+
+    def insert(self, tokens: list[int], slots: list[int], owned: int) -> None:
+        """Insert ``tokens``; ``slots[:owned]`` are the tree's already, the rest are ours.
+
+        Ours that the tree does not keep (it had those tokens already, or they are past the
+        last whole page) are freed.
+        """
+        kept_until = len(tokens) - len(tokens) % self.page_size
+        cached = self.tree.insert(tokens, slots)
+        drop = slots[owned : max(owned, cached)] + slots[max(owned, kept_until) :]
+        if drop:
+            self.slots.give(drop)
+
+    # ---------------------------------------------------------------- failure ----
+
+    def reconcile(self, running: list[Job]) -> bool:
+        """Rebuild the locks from the ``running`` jobs and the allocators from the tree (the
+        only holders left after a failure). False if a running job's node was lost from the
+        tree: then no lock is held and the caller drops every running job."""
+        mx.async_eval(self.arrays())  # the fault may have struck between a write and its eval
+        self.tree.release_locks()
+        ok = True
+        try:
+            for job in running:
+                self.tree.lock(job.node)
+        except ValueError:  # a node lost from the tree
+            self.tree.release_locks()
+            ok = False
+        self.slots.rebuild(self.tree.all_slots())
+        if self.has_states:
+            self.state_slots.rebuild([h for _, h in self.tree.all_states()])
+        return ok
+
+    def unlock(self, node: TreeNode | None) -> None:
+        """Release a job's lock (None: it holds none)."""
+        if node is not None:
+            self.tree.unlock(node)

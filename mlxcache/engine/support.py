@@ -1,0 +1,212 @@
+"""What the engine can do with a model, found once by probing it: one frozen ``Support``.
+
+A model is served in one of three modes (``Mode``):
+
+* ``BATCHED``: the engine's own caches (``mlxcache.layers``), many requests per forward in
+  ragged batches;
+* ``SOLO``: the engine's own caches, one request per forward: ragged batches fail, or right
+  padding would change a recurrent state (the model's recurrent layers take no lengths);
+* ``PLAIN``: mlx-lm's own caches, one request per forward and no reuse: a cache kind the
+  engine does not know (``RotatingKVCache`` with keep, ``QuantizedKVCache``, ...) cannot be
+  restored from a prefix cache.
+
+Beside the mode: ``reuse`` (prefix reuse from the pool and tree: asked for, and every
+attention layer writes K/V of one shape), ``has_states`` (recurrent layers: their states are
+snapshotted) and ``pads_exactly`` (a prefill row may be padded part-way; else forwards are cut
+so that no row is). A ``PLAIN`` model has none of them: the value refuses the combination.
+Each fact that turned something off is in ``notes``, the engine's ``ReuseDisabledWarning``.
+
+Examples:
+    >>> from mlxcache.zoo import make_model
+    >>> s = Support.probe(make_model())
+    >>> s.mode, s.reuse, s.has_states, s.pads_exactly, s.notes
+    (<Mode.BATCHED: 'batched'>, True, False, True, ())
+    >>> Support(Mode.PLAIN, s.layout, reuse=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: a PLAIN model (mlx-lm's own caches) has no reuse, states or padding: ...
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcache.engine.forward import forward_padded, join_rows
+from mlxcache.layers import Layout, build, describe, leaves
+
+__all__ = ["Mode", "ReuseDisabledWarning", "Support"]
+
+
+class ReuseDisabledWarning(UserWarning):
+    """The model is served, correctly, but without prefix reuse, or one request per forward."""
+
+
+class Mode(enum.Enum):
+    """How requests share forwards (see the module docstring).
+
+    >>> Mode("solo")
+    <Mode.SOLO: 'solo'>
+    """
+
+    BATCHED = "batched"
+    SOLO = "solo"
+    PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class Support:
+    """The serving mode and the facts the engine branches on (see the module docstring).
+
+    ``layout`` describes the model's caches (with each state array's shape once probed);
+    ``kv`` is ``(n_kv_heads, head_dim, v_head_dim, dtype)`` of the K/V pool (with reuse).
+
+    >>> Support(Mode.SOLO, None, reuse=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: reuse=True needs the pool's K/V shape (kv=None)
+    """
+
+    mode: Mode
+    layout: Layout | None
+    reuse: bool = False
+    has_states: bool = False
+    pads_exactly: bool = False
+    kv: tuple | None = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode is Mode.PLAIN and (self.reuse or self.has_states or self.pads_exactly):
+            raise ValueError(f"a PLAIN model (mlx-lm's own caches) has no reuse, states or "
+                             f"padding: got reuse={self.reuse}, has_states={self.has_states}, "
+                             f"pads_exactly={self.pads_exactly}")
+        if self.reuse and self.kv is None:
+            raise ValueError("reuse=True needs the pool's K/V shape (kv=None)")
+
+    @property
+    def supported(self) -> bool:
+        """Served with the engine's own caches (every cache kind known)."""
+        return self.mode is not Mode.PLAIN
+
+    @property
+    def batched(self) -> bool:
+        """Many requests per forward."""
+        return self.mode is Mode.BATCHED
+
+    @classmethod
+    def probe(cls, model: nn.Module, prefix_cache: bool = True) -> Support:
+        """Probe ``model`` (a few tiny forwards): its caches, whether the pool can hold its
+        K/V, whether padding and ragged batches are exact.
+
+        >>> from mlxcache.zoo import make_model
+        >>> Support.probe(make_model(), prefix_cache=False).reuse
+        False
+        """
+        layout = describe(make_prompt_cache(model))
+        if layout.unsupported:
+            return cls(Mode.PLAIN, layout, notes=(
+                f"model caches {list(layout.kinds)}: {list(layout.unsupported)} cannot be "
+                "restored from a prefix cache: no reuse, no batching",))
+        layout, kv, why = _probe_layout(model, layout)
+        notes = []
+        if prefix_cache and kv is None:
+            notes.append(f"{why}: the pool cannot hold this model's K/V, no reuse")
+        part, whole = _padding(model, layout)
+        mode = Mode.BATCHED
+        if not whole:
+            mode = Mode.SOLO
+            notes.append("right padding changes the recurrent state (the model's recurrent "
+                         "layers take no lengths): serving one request per forward")
+        else:
+            why = _probe_ragged_batch(model, layout, part)
+            if why is not None:
+                mode = Mode.SOLO
+                notes.append(f"ragged batches fail ({why}): serving one request per forward")
+        reuse = prefix_cache and kv is not None
+        return cls(mode, layout, reuse=reuse, has_states=bool(layout.state_leaves),
+                   pads_exactly=part, kv=kv if reuse else None, notes=tuple(notes))
+
+
+def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:
+    """Run two tokens through the model with the engine's caches: the layout with each state
+    array's shape, and ``((n_kv_heads, head_dim, v_head_dim, dtype), None)`` when every
+    attention cache wrote keys and values of one shape (what one KV pool holds), else
+    ``(None, reason)``."""
+    caches = build(layout, 1)
+    mx.eval(model(mx.array([[0, 0]]), cache=caches))
+    flat = leaves(caches)
+    like = [[None if x is None else (tuple(x.shape[1:]), x.dtype) for x in flat[i].cache]
+            for i in layout.state_leaves]
+    layout = layout.with_states(like)
+    shapes = set()
+    for i in layout.kv_leaves:
+        c = flat[i]
+        if c.keys is None:
+            return layout, None, f"cache {i} never wrote its keys"
+        shapes.add((c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype))
+    if not shapes:
+        return layout, None, "the model has no attention layer (nothing for a KV pool)"
+    if len(shapes) != 1:
+        return layout, None, f"layers disagree on K/V shapes {sorted(map(str, shapes))}"
+    ((heads, dk, dv, dtype),) = shapes
+    return layout, (heads, dk, dv, dtype), None
+
+
+def _probe_ragged_batch(model: nn.Module, layout: Layout, pads: bool) -> str | None:
+    """None if a ragged batch (per-row positions, masks and states, right padding where
+    ``pads``) computes what the model's own caches compute request by request, for a
+    prefill and a decode step; else why not."""
+    prefixes, new = [[0], [0, 0, 0]], [[1, 2, 6], [3, 4]] if pads else [[1, 6], [3, 4]]
+    solo = []
+    for p, n in zip(prefixes, new, strict=True):
+        caches = make_prompt_cache(model)
+        model(mx.array([p]), cache=caches)
+        prefill = model(mx.array([n]), cache=caches)[:, -1]
+        solo.append((prefill, model(mx.array([[5]]), cache=caches)[:, -1]))
+    batch = build(layout, 0)
+    for p in prefixes:
+        caches = build(layout, 1)
+        model(mx.array([p]), cache=caches)
+        join_rows(batch, caches, 0)
+    try:
+        width = max(map(len, new))
+        last = forward_padded(model, batch, [n[:-1] for n in new], width - 1)
+        prefill = model(mx.array([n[-1:] for n in new]), cache=batch)[:, -1]
+        decode = model(mx.array([[5], [5]]), cache=batch)[:, -1]
+        mx.eval(prefill, decode, last)
+    except Exception as e:  # any model that cannot take per-row offsets / masks
+        return f"{type(e).__name__}: {e}"
+    for got, want in ((prefill, [a for a, _ in solo]), (decode, [b for _, b in solo])):
+        want = mx.concatenate(want)
+        scale = max(1.0, mx.abs(want).max().item())
+        if not mx.allclose(got, want, rtol=1e-2, atol=1e-2 * scale).item():
+            return "batched logits differ from per-request logits"
+    return None
+
+
+def _padding(model: nn.Module, layout: Layout) -> tuple[bool, bool]:
+    """Does right padding leave a row's state as it should? ``(part, whole)``: a row padded
+    part-way (2 real tokens in a 3-token forward), and a row that is all padding in a forward.
+    Some models' recurrent layers mask padding out of their outputs but not out of the state
+    they carry (mlx-lm's Mamba2 SSM under a mask and no ``lengths`` loses the real tokens'
+    contribution; a conv state without ``lengths`` shifts the padding in): a model that pads
+    whole forwards exactly is served with forwards cut so that no row is padded part-way; one
+    that does not is served one request per forward."""
+    if not layout.state_leaves:
+        return True, True
+    outs = []
+    for empty, width in ((0, 2), (0, 3), (2, 2)):
+        caches = build(layout, 1)
+        model(mx.array([[0, 1, 2]]), cache=caches)
+        if empty:
+            forward_padded(model, caches, [[]], empty)
+        forward_padded(model, caches, [[3, 4]], width)
+        outs.append(model(mx.array([[5]]), cache=caches)[:, -1])
+    mx.eval(outs)
+    scale = max(1.0, mx.abs(outs[0]).max().item())
+    return tuple(mx.allclose(outs[0], x, rtol=1e-3, atol=1e-3 * scale).item()
+                 for x in outs[1:])
