@@ -60,8 +60,9 @@ class Engine:
         prefix_cache: False serves the same way without a pool or tree (no reuse).
         prefill_step_size: most tokens (padding included) in one prefill forward; a longer
             prompt runs alone, in chunks of this many tokens.
-        num_snapshots, snapshot_interval: hybrid models: the state pool's size (None: a
-            quarter of the cache memory) and the grid of snapshot depths.
+        num_snapshots: hybrid models: the state pool's size in snapshots (None: a quarter of
+            the cache memory, ``mlxcache.engine.sizing``).
+        snapshot_interval: hybrid models: the grid of snapshot depths, in tokens.
         prefill_batch_tokens: most uncached tokens admitted into one prefill batch (a request
             alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, and
             there the batch is also sized for the mean TTFT (``CPU_FORWARD_COST_TOKENS``);
