@@ -7,9 +7,9 @@ inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
 * ``KimiLinearConfig``: the static model description (checkpoint / transformers formats).
 * ``hybridattn.pools``: slot allocators, request pools, the MLA latent pool and the KDA
   recurrent-state pool.
-* ``hybridattn.backend``: the MLA and KDA attention backends and the
+* ``hybridattn.backends``: the MLA and KDA attention backends and the
   ``HybridLinearAttnBackend`` that dispatches each layer to one of them;
-  ``hybridattn.batch`` packs their ``ForwardBatch``.
+  ``hybridattn.backends.batch`` packs their ``ForwardBatch``.
 * ``hybridattn.models.kimi_linear``: Kimi-Linear parameters (``init_params``, ``load``,
   ``save_pretrained``), the serving ``forward`` and the cache-free ``apply``.
 * ``hybridattn.serving``: the pure serving ``step`` over a ``ServingState``:
@@ -38,7 +38,8 @@ see ``help(hybridattn.step)``):
 """
 
 from hybridattn import ops, pools
-from hybridattn.backend import (
+from hybridattn.backends import (
+    BatchRequest,
     ForwardBatch,
     ForwardMode,
     FullAttnMetadata,
@@ -50,8 +51,8 @@ from hybridattn.backend import (
     SnapshotSpec,
     attn_backend_wrapper,
     check_forward_batch,
+    make_forward_batch,
 )
-from hybridattn.batch import BatchRequest, make_forward_batch
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine, EngineStats
 from hybridattn.ops import (

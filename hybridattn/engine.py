@@ -62,9 +62,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
+from hybridattn.models.kimi_linear.params import _check_supported
 from hybridattn.pools import alloc_reqs, free
 from hybridattn.scheduler import (
     Admission,
@@ -781,7 +782,7 @@ class Engine:
     ):
         if not isinstance(config, KimiLinearConfig):
             raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
-        kimi_linear._check_supported(config)  # unimplemented config values, by name
+        _check_supported(config)  # unimplemented config values, by name
         kimi_linear.check_params(params, config)
         if max_context_len is None:
             max_context_len = min(config.model_max_length or 4096, 4096)

@@ -65,7 +65,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.prefix_cache import SnapshotSlots, snapshot_points
 from hybridattn.serving import WorkItem
 from servecore.radix import RadixCache

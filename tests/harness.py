@@ -8,8 +8,14 @@ import numpy as np
 
 from hybridattn import pools as P
 from hybridattn import serving as S
-from hybridattn.backend import ForwardBatch, ForwardMode, MLAAttnBackend, attn_backend_wrapper
-from hybridattn.batch import BatchRequest, make_forward_batch
+from hybridattn.backends import (
+    BatchRequest,
+    ForwardBatch,
+    ForwardMode,
+    MLAAttnBackend,
+    attn_backend_wrapper,
+    make_forward_batch,
+)
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from harness import Harness, two_layer_config
 
-from hybridattn.backend import (
+from hybridattn.backends import (
+    BatchRequest,
     ForwardMode,
     FullAttnMetadata,
     HybridLinearAttentionBackendMetadata,
@@ -23,8 +24,8 @@ from hybridattn.backend import (
     MLAAttnBackend,
     attn_backend_wrapper,
     check_forward_batch,
+    make_forward_batch,
 )
-from hybridattn.batch import BatchRequest, make_forward_batch
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
 from hybridattn.ops import kda_recurrent, l2norm, short_conv
@@ -281,7 +282,7 @@ def _kda_reference(x, conv, pad_to=32):
 def test_kda_ragged_batch_with_prefix_state_equals_per_request_recurrent(form, monkeypatch):
     """Both forms of the extend: ``kda_chunked`` over the packed requests, and on a CPU for
     short extends (``RECURRENT_MAX_EXTEND``) ``kda_recurrent`` over them side by side."""
-    from hybridattn import backend as B
+    from hybridattn.backends import kda as B
 
     monkeypatch.setattr(B, "RECURRENT_MAX_EXTEND", 0 if form == "chunked" else 64)
     cfg = KimiLinearConfig.tiny()

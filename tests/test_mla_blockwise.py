@@ -1,4 +1,4 @@
-"""Blockwise MLA attention (``hybridattn.mla``) equals its dense oracle and never holds the width.
+"""Blockwise MLA attention (``hybridattn.ops.mla``) equals its dense oracle, never holds the width.
 
 References: ``ref_mla_extend`` / ``ref_mla_decode`` (the dense form the backend used before).
 Examples are drawn into two fixed shape buckets so they reuse compilations; the block sizes and
@@ -17,10 +17,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridattn import mla
-from hybridattn.backend import ForwardBatch, ForwardMode, FullAttnMetadata, MLAAttnBackend
-from hybridattn.batch import BatchRequest, make_forward_batch
+from hybridattn.backends import (
+    BatchRequest,
+    ForwardBatch,
+    ForwardMode,
+    FullAttnMetadata,
+    MLAAttnBackend,
+    make_forward_batch,
+)
 from hybridattn.config import KimiLinearConfig
+from hybridattn.ops import mla
 from hybridattn.pools import (
     HybridReqToTokenPool,
     MLATokenPool,

@@ -103,7 +103,7 @@ def test_moe_paths_agree(monkeypatch, n_tokens):
     # the same path with the down projections input-major (serving_layout)
     np.testing.assert_allclose(np.asarray(M.sparse_moe(served, cfg, x)), np.asarray(got),
                                atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(M.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     big = jnp.concatenate([x] * 8)  # enough tokens for the grouped form
     for q in (p, served):
         grouped = M.sparse_moe(q, cfg, big)[:n_tokens]

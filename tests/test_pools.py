@@ -499,7 +499,7 @@ def test_one_token_writes_copy_no_pool_in_a_step_that_reads_the_pools():
     XLA:CPU copied the latent pool four times per step around the attention's loop (a
     one-request decode step of the tiny config at 64k: 5.1-5.9 ms against 3.1-3.7 without);
     written as scatters of two rows, nothing pool-sized is copied."""
-    from hybridattn.mla import mla_decode
+    from hybridattn.ops.mla import mla_decode
 
     S, W, r, dr = 4099, 4096, 8, 4
     pool = MLATokenPool.create((0,), num_slots=S, kv_lora_rank=r, qk_rope_head_dim=dr)

@@ -20,7 +20,7 @@ from harness import mlx_greedy as greedy_oracle
 from harness import mlx_kimi, realistic_params
 
 from hybridattn import serving as S
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M

@@ -136,7 +136,7 @@ def test_decode_flops_bound_xlas_count_of_the_engines_step():
     """XLA's own count for the engine's compiled decode step (one request, layers unrolled so
     no loop body is counted once for several layers) is at least the least count, and not
     far above it: what it adds is element-wise work (norms, activations, the sampler)."""
-    from hybridattn.backend import ForwardMode
+    from hybridattn.backends import ForwardMode
     from hybridattn.engine import Engine
     from hybridattn.scheduler import bucket
     from hybridattn.serving import WorkItem, make_worker_batch

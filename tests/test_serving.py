@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from hybridattn import serving as S
 from hybridattn import testing
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M

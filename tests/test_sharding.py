@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hybridattn import sharding as S
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
 from hybridattn.pools import alloc_reqs_or_raise

@@ -17,7 +17,7 @@ from hypothesis.errors import HypothesisDeprecationWarning
 
 from hybridattn import pools
 from hybridattn import testing as T
-from hybridattn.backend import ForwardBatch, ForwardMode, check_forward_batch
+from hybridattn.backends import ForwardBatch, ForwardMode, check_forward_batch
 from hybridattn.config import KimiLinearConfig
 from hybridattn.serving import ServingState
 

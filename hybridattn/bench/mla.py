@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridattn import mla
+from hybridattn.ops import mla
 
 SHAPES = {  # name: (H, dn, dr, dv, r)
     "tiny": (4, 16, 8, 16, 32),

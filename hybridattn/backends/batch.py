@@ -1,4 +1,4 @@
-"""Host side: assemble a padded :class:`~hybridattn.backend.ForwardBatch` from requests.
+"""Host side: assemble a padded :class:`~hybridattn.backends.base.ForwardBatch` from requests.
 
 The scheduler decides, per request, which request row it owns, how many of its tokens are
 already in the pools (``prefix_len``), which new tokens run now and which token slots they go
@@ -15,10 +15,13 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from hybridattn.backend import ForwardBatch, ForwardMode, check_forward_batch
+from hybridattn.backends.base import ForwardBatch, ForwardMode, check_forward_batch
 from hybridattn.pools import HybridReqToTokenPool, MLATokenPool, RecurrentStatePool
 
-__all__ = ["BatchRequest", "make_forward_batch"]
+__all__ = [
+    "BatchRequest",
+    "make_forward_batch",
+]
 
 
 class BatchRequest(NamedTuple):
@@ -80,8 +83,41 @@ def make_forward_batch(
     """
     if not requests:
         raise ValueError("make_forward_batch needs at least one request")
+    _check_requests(requests, req_to_token_pool, token_to_kv_pool.num_slots, forward_mode)
+    lens = np.array([len(r.token_ids) for r in requests], np.int32)
+    prefix = np.array([r.prefix_len for r in requests], np.int32)
+    B = num_requests or len(requests)
+    T = num_tokens or (B if forward_mode == ForwardMode.DECODE else int(lens.sum()))
+    if B < len(requests):
+        raise ValueError(f"num_requests={B} < {len(requests)} requests")
+    if T < lens.sum():
+        raise ValueError(f"num_tokens={T} < {int(lens.sum())} new tokens")
+
+    ids = np.concatenate([np.asarray(r.token_ids, np.int32) for r in requests])
+    slots = np.concatenate([np.asarray(r.slots, np.int32) for r in requests])
+    seq = prefix + lens
+    batch = ForwardBatch(
+        input_ids=_pad(ids, T),
+        req_pool_indices=_pad([r.req_index for r in requests], B),
+        seq_lens=_pad(seq, B),
+        extend_seq_lens=_pad(lens, B),
+        out_cache_loc=_pad(slots, T),
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=token_to_kv_pool,
+        recurrent_state_pool=recurrent_state_pool,
+        forward_mode=forward_mode,
+        kv_width=kv_width or int(seq.max()),
+        max_extend_len=max_extend_len or int(lens.max()),
+    )
+    check_forward_batch(batch)
+    return batch
+
+
+def _check_requests(requests, req_to_token_pool, num_slots, forward_mode):
+    """The host checks of :func:`make_forward_batch`, one ``ValueError`` naming the request:
+    tokens and slots agree, rows and slots are in range, not the sink and not used twice, a
+    decode request has one token and no request outgrows ``max_context_len``."""
     rows = req_to_token_pool.req_to_token.shape[0]
-    num_slots = token_to_kv_pool.num_slots
     seen_rows: dict[int, int] = {}
     seen_slots: dict[int, int] = {}
     for n, r in enumerate(requests):
@@ -112,35 +148,9 @@ def make_forward_batch(
                 raise ValueError(f"request {n}: token slot {int(slot)} is also used by request "
                                  f"{seen_slots[int(slot)]} of this batch")
             seen_slots[int(slot)] = n
-    lens = np.array([len(r.token_ids) for r in requests], np.int32)
-    prefix = np.array([r.prefix_len for r in requests], np.int32)
-    B = num_requests or len(requests)
-    T = num_tokens or (B if forward_mode == ForwardMode.DECODE else int(lens.sum()))
-    if B < len(requests):
-        raise ValueError(f"num_requests={B} < {len(requests)} requests")
-    if T < lens.sum():
-        raise ValueError(f"num_tokens={T} < {int(lens.sum())} new tokens")
 
-    def pad(values, size, fill=0):
-        out = np.full(size, fill, np.int32)
-        out[: len(values)] = values
-        return jnp.asarray(out)
 
-    ids = np.concatenate([np.asarray(r.token_ids, np.int32) for r in requests])
-    slots = np.concatenate([np.asarray(r.slots, np.int32) for r in requests])
-    seq = prefix + lens
-    batch = ForwardBatch(
-        input_ids=pad(ids, T),
-        req_pool_indices=pad([r.req_index for r in requests], B),
-        seq_lens=pad(seq, B),
-        extend_seq_lens=pad(lens, B),
-        out_cache_loc=pad(slots, T),
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool=token_to_kv_pool,
-        recurrent_state_pool=recurrent_state_pool,
-        forward_mode=forward_mode,
-        kv_width=kv_width or int(seq.max()),
-        max_extend_len=max_extend_len or int(lens.max()),
-    )
-    check_forward_batch(batch)
-    return batch
+def _pad(values, size, fill=0):
+    out = np.full(size, fill, np.int32)
+    out[: len(values)] = values
+    return jnp.asarray(out)

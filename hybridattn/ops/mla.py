@@ -260,6 +260,67 @@ def _work_list(seq_lens, extend_lens, *, query_tile, num_tiles, block):
     return n.reshape(-1), jnp.cumsum(n.reshape(-1))
 
 
+def _tile_queries(q_nope, q_pe, w_kc, w_vc, bq, absorbed):
+    """The queries of all heads, head-major ``[H, T + bq, .]`` (``bq`` zero rows at the end, so
+    a tile never clamps), their width in the output and ``dn``: ``q[..., :dn]`` meets ``c_kv``
+    (absorbed) or ``k_nope`` (decompressed).
+
+    Head-major inside the loop ([H, rows, .]): a tile's queries of all heads are one matrix
+    [H * bq, .], so the absorbed form's scores and output are plain matrix products and the
+    decompressed form's batch over heads, with no per-item transposes of scores or queries."""
+    H = q_nope.shape[1]
+    q_pe = q_pe.astype(_F32)
+    w_kc, w_vc = w_kc.astype(_F32), w_vc.astype(_F32)
+    if absorbed:  # queries in latent space, once: [H, T, r] and [H, T, dr] against the latents
+        q = jnp.concatenate([jnp.einsum("thd,hdr->htr", q_nope.astype(_F32), w_kc),
+                             q_pe.transpose(1, 0, 2)], -1)
+        width = w_kc.shape[2]
+    else:
+        q = jnp.concatenate([q_nope.astype(_F32), q_pe], -1).transpose(1, 0, 2)
+        width = w_vc.shape[1]
+    q = jnp.concatenate([q, jnp.zeros((H, bq, q.shape[2]), _F32)], 1)  # a tile never clamps
+    dn = w_kc.shape[2] if absorbed else q_nope.shape[2]  # q[..., :dn] meets c_kv or k_nope
+    return q, width, dn
+
+
+def _scores(qt, ckv, kpe, w_kc, w_vc, dn, absorbed):
+    """Step 2's unscaled scores ``[H, bq, bk]`` of a tile's queries against one key block, and
+    the values they weigh (the latents themselves when absorbed); ``w_kc``, ``w_vc`` float32."""
+    if absorbed:  # two products, not one against a concatenated key block (a copy)
+        vals = ckv
+        s = jnp.einsum("hqc,kc->hqk", qt[..., :dn], ckv) + jnp.einsum(
+            "hqd,kd->hqk", qt[..., dn:], kpe)
+    else:
+        k_nope = jnp.einsum("kr,hdr->hkd", ckv, w_kc)
+        vals = jnp.einsum("kr,hdr->hkd", ckv, w_vc)
+        s = jnp.einsum("hqd,hkd->hqk", qt[..., :dn], k_nope) + jnp.einsum(
+            "hqd,kd->hqk", qt[..., dn:], kpe)
+    return s, vals
+
+
+def _online_update(carry, s, mask, vals, live_q, row0, absorbed):
+    """Step 3: the online softmax update of a tile's rows (``bq`` from ``row0``) of the running
+    max, denominator and accumulator ``carry``; rows of padding queries are kept."""
+    mx, den, acc = carry
+    bq = s.shape[1]
+    m_old = jax.lax.dynamic_slice_in_dim(mx, row0, bq, axis=1)
+    d_old = jax.lax.dynamic_slice_in_dim(den, row0, bq, axis=1)
+    a_old = jax.lax.dynamic_slice_in_dim(acc, row0, bq, axis=1)
+    m_new = jnp.maximum(m_old, s.max(-1))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: shift by 0
+    p = jnp.where(mask, jnp.exp(s - shift[..., None]), 0.0)
+    corr = jnp.exp(m_old - shift)  # 0 while m_old is -inf
+    pv = (jnp.einsum("hqk,kr->hqr", p, vals) if absorbed
+          else jnp.einsum("hqk,hkd->hqd", p, vals))
+    keep = live_q[None, :]
+    m_new = jnp.where(keep, m_new, m_old)
+    d_new = jnp.where(keep, d_old * corr + p.sum(-1), d_old)
+    a_new = jnp.where(keep[..., None], a_old * corr[..., None] + pv, a_old)
+    return (jax.lax.dynamic_update_slice_in_dim(mx, m_new, row0, 1),
+            jax.lax.dynamic_update_slice_in_dim(den, d_new, row0, 1),
+            jax.lax.dynamic_update_slice_in_dim(acc, a_new, row0, 1))
+
+
 @functools.partial(jax.jit, static_argnames=("max_extend_len", "scale", "block_size",
                                              "query_block", "absorbed"))
 def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, extend_lens,
@@ -278,20 +339,8 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
     n, ends = _work_list(seq_lens, extend_lens, query_tile=bq, num_tiles=nq, block=bk)
     total = ends[-1]
 
-    q_pe = q_pe.astype(_F32)
+    q, width, dn = _tile_queries(q_nope, q_pe, w_kc, w_vc, bq, absorbed)
     w_kc, w_vc = w_kc.astype(_F32), w_vc.astype(_F32)
-    # Head-major inside the loop ([H, rows, .]): a tile's queries of all heads are one matrix
-    # [H * bq, .], so the absorbed form's scores and output are plain matrix products and the
-    # decompressed form's batch over heads, with no per-item transposes of scores or queries.
-    if absorbed:  # queries in latent space, once: [H, T, r] and [H, T, dr] against the latents
-        q = jnp.concatenate([jnp.einsum("thd,hdr->htr", q_nope.astype(_F32), w_kc),
-                             q_pe.transpose(1, 0, 2)], -1)
-        width = w_kc.shape[2]
-    else:
-        q = jnp.concatenate([q_nope.astype(_F32), q_pe], -1).transpose(1, 0, 2)
-        width = w_vc.shape[1]
-    q = jnp.concatenate([q, jnp.zeros((H, bq, q.shape[2]), _F32)], 1)  # a tile never clamps
-    dn = w_kc.shape[2] if absorbed else q_nope.shape[2]  # q[..., :dn] meets c_kv or k_nope
     m0 = jnp.full((H, T + bq), -jnp.inf, _F32)
     d0 = jnp.zeros((H, T + bq), _F32)
     acc0 = jnp.zeros((H, T + bq, width), _F32)
@@ -318,34 +367,11 @@ def _blockwise(q_nope, q_pe, c_kv, k_pe, w_kc, w_vc, page_table, seq_lens, exten
         ckv = jnp.where(live_k[:, None], c_kv[slots].astype(_F32), 0.0)
         kpe = k_pe[slots].astype(_F32)
         qt = jax.lax.dynamic_slice_in_dim(q, row0, bq, axis=1)  # [H, bq, .]
-        if absorbed:  # two products, not one against a concatenated key block (a copy)
-            vals = ckv
-            s = jnp.einsum("hqc,kc->hqk", qt[..., :dn], ckv) + jnp.einsum(
-                "hqd,kd->hqk", qt[..., dn:], kpe)
-        else:
-            k_nope = jnp.einsum("kr,hdr->hkd", ckv, w_kc)
-            vals = jnp.einsum("kr,hdr->hkd", ckv, w_vc)
-            s = jnp.einsum("hqd,hkd->hqk", qt[..., :dn], k_nope) + jnp.einsum(
-                "hqd,kd->hqk", qt[..., dn:], kpe)
+        s, vals = _scores(qt, ckv, kpe, w_kc, w_vc, dn, absorbed)
         mask = (live_k[None, :] & (kpos[None, :] <= qpos[:, None]) & live_q[:, None])[None]
         s = jnp.where(mask, s * scale, -jnp.inf)  # [H, bq, bk]
         # 3. The online softmax update of the tile's rows.
-        m_old = jax.lax.dynamic_slice_in_dim(mx, row0, bq, axis=1)
-        d_old = jax.lax.dynamic_slice_in_dim(den, row0, bq, axis=1)
-        a_old = jax.lax.dynamic_slice_in_dim(acc, row0, bq, axis=1)
-        m_new = jnp.maximum(m_old, s.max(-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key seen yet: shift by 0
-        p = jnp.where(mask, jnp.exp(s - shift[..., None]), 0.0)
-        corr = jnp.exp(m_old - shift)  # 0 while m_old is -inf
-        pv = (jnp.einsum("hqk,kr->hqr", p, vals) if absorbed
-              else jnp.einsum("hqk,hkd->hqd", p, vals))
-        keep = live_q[None, :]
-        m_new = jnp.where(keep, m_new, m_old)
-        d_new = jnp.where(keep, d_old * corr + p.sum(-1), d_old)
-        a_new = jnp.where(keep[..., None], a_old * corr[..., None] + pv, a_old)
-        return (jax.lax.dynamic_update_slice_in_dim(mx, m_new, row0, 1),
-                jax.lax.dynamic_update_slice_in_dim(den, d_new, row0, 1),
-                jax.lax.dynamic_update_slice_in_dim(acc, a_new, row0, 1))
+        return _online_update((mx, den, acc), s, mask, vals, live_q, row0, absorbed)
 
     def cond(c):
         return c[0] < total

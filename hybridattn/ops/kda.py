@@ -65,12 +65,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-# Tokens x heads handled together by one step of the chunk scan: enough to batch the small
-# matmuls, few enough that each [chunks, C, D] intermediate of a step (256 KiB at D = 128)
-# stays in a core's L2 cache. Measured on a 2-core CPU at D = 128 (paired rounds): 512 beat
-# 256 at chunk sizes 32, 64 and 128, and beat 1024 at 32 and 128 (a tie at 64).
-_GROUP_TOKEN_HEADS = 512
-
 __all__ = [
     "ChunkStates",
     "kda_chunked",
@@ -78,8 +72,13 @@ __all__ = [
     "kda_gate",
     "kda_recurrent",
     "l2norm",
-    "short_conv",
 ]
+
+# Tokens x heads handled together by one step of the chunk scan: enough to batch the small
+# matmuls, few enough that each [chunks, C, D] intermediate of a step (256 KiB at D = 128)
+# stays in a core's L2 cache. Measured on a 2-core CPU at D = 128 (paired rounds): 512 beat
+# 256 at chunk sizes 32, 64 and 128, and beat 1024 at 32 and 128 (a tie at 64).
+_GROUP_TOKEN_HEADS = 512
 
 class ChunkStates(NamedTuple):
     """Recurrent states at chunk boundaries, as returned by ``kda_chunked(...,
@@ -524,30 +523,44 @@ def kda_chunked(
     _check_qkv(q, k, v, g, beta)
     _check_chunk_size(chunk_size)
     B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    C = chunk_size
     scale = _default_scale(scale, Dk)
     f32 = lambda x: x.astype(jnp.float32)
-    q, k, vf, g, beta = f32(q), f32(k), f32(v), f32(g), f32(beta)
-
+    qkvgb = f32(q), f32(k), f32(v), f32(g), f32(beta)
     if cu_seqlens is None:
-        S0 = _initial_state(initial_state, (B, H, Dk, Dv))
-        o, final, S_out = _chunked_core(
-            q, k, vf, g, beta, scale, C, S0, keep_states=return_chunk_states
-        )
-        o = o.astype(v.dtype)
-        if not return_chunk_states:
-            return o, final
-        NC = S_out.shape[1]
-        ends = jnp.minimum((jnp.arange(NC) + 1) * C, T).astype(jnp.int32)
-        cs = ChunkStates(
-            S_out,
-            jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC)),
-            jnp.broadcast_to(ends[None], (B, NC)),
-        )
-        return o, final, cs
+        o, final, cs = _chunked_dense(*qkvgb, scale, chunk_size, initial_state,
+                                      return_chunk_states)
+    else:
+        o, final, cs = _chunked_packed(*qkvgb, scale, chunk_size, initial_state, cu_seqlens,
+                                       return_chunk_states)
+    o = o.astype(v.dtype)
+    return (o, final, cs) if return_chunk_states else (o, final)
 
-    # ---- packed variable-length sequences ----
+
+def _chunked_dense(q, k, vf, g, beta, scale, C, initial_state, keep_states):
+    """:func:`kda_chunked` over ``B`` separate sequences: ``(o, final, chunk_states | None)``,
+    ``o`` in float32."""
+    B, T, H, Dk = q.shape
+    Dv = vf.shape[-1]
+    S0 = _initial_state(initial_state, (B, H, Dk, Dv))
+    o, final, S_out = _chunked_core(q, k, vf, g, beta, scale, C, S0, keep_states=keep_states)
+    if not keep_states:
+        return o, final, None
+    NC = S_out.shape[1]
+    ends = jnp.minimum((jnp.arange(NC) + 1) * C, T).astype(jnp.int32)
+    cs = ChunkStates(
+        S_out,
+        jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, NC)),
+        jnp.broadcast_to(ends[None], (B, NC)),
+    )
+    return o, final, cs
+
+
+def _chunked_packed(q, k, vf, g, beta, scale, C, initial_state, cu_seqlens, keep_states):
+    """:func:`kda_chunked` over the ``N`` packed sequences of ``cu_seqlens`` (``B == 1``):
+    each sequence starts on a fresh chunk of a buffer. ``(o, final, chunk_states | None)``,
+    ``o`` in float32."""
+    B, T, H, Dk = q.shape
+    Dv = vf.shape[-1]
     cu, seq, local = _packed_positions(cu_seqlens, B, T)
     N = cu.shape[0] - 1
     init = _initial_state(initial_state, (N, H, Dk, Dv), " (one state per sequence of cu_seqlens)")
@@ -564,7 +577,6 @@ def kda_chunked(
         return buf.at[0, dest].set(x[0], unique_indices=True, mode="drop")
 
     # Per buffer chunk: the sequence starting there and the sequence ending there (or -1).
-    chunk = jnp.arange(NCb, dtype=jnp.int32)
     seq_ids = jnp.arange(N, dtype=jnp.int32)
     mark = lambda where: jnp.full((NCb,), -1, jnp.int32).at[
         jnp.where(lens > 0, where, NCb)].set(seq_ids, mode="drop")
@@ -572,97 +584,25 @@ def kda_chunked(
     o_buf, final, S_out = _chunked_core(
         to_buf(q), to_buf(k), to_buf(vf), to_buf(g), to_buf(beta), scale, C,
         jnp.zeros((1, H, Dk, Dv), jnp.float32), resets=resets, init=init, n_seqs=N,
-        keep_states=return_chunk_states,
+        keep_states=keep_states,
     )
-    o = o_buf[:, dest].astype(v.dtype)
-    if not return_chunk_states:
-        return o, final
-    # Which sequence owns each buffer chunk, and how many of its tokens it has consumed.
+    o = o_buf[:, dest]
+    if not keep_states:
+        return o, final, None
+    return o, final, _packed_chunk_states(S_out, first_chunk, nchunks, lens, C)
+
+
+def _packed_chunk_states(S_out, first_chunk, nchunks, lens, C):
+    """The :class:`ChunkStates` of a packed buffer: which sequence owns each buffer chunk, and
+    how many of its tokens it has consumed."""
+    N = lens.shape[0]
+    chunk = jnp.arange(S_out.shape[1], dtype=jnp.int32)
     owner = jnp.clip(jnp.searchsorted(first_chunk + nchunks, chunk, side="right"), 0, N)
     used = (owner < N) & (chunk >= first_chunk[jnp.minimum(owner, N - 1)])
     owner_c = jnp.minimum(owner, N - 1)
     consumed = jnp.minimum((chunk - first_chunk[owner_c] + 1) * C, lens[owner_c])
-    cs = ChunkStates(
+    return ChunkStates(
         S_out,
         jnp.where(used, owner_c, -1)[None],
         jnp.where(used, consumed, 0).astype(jnp.int32)[None],
     )
-    return o, final, cs
-
-
-# --------------------------------------------------------------------------------------------
-# short convolution
-# --------------------------------------------------------------------------------------------
-
-
-def _conv_weight(weight, C):
-    w = weight
-    if w.ndim == 3:  # checkpoint layout [C, 1, K]
-        if w.shape[1] != 1:
-            raise ValueError(f"conv weight of shape {weight.shape}: expected [C, 1, K] or [C, K]")
-        w = w[:, 0, :]
-    if w.ndim != 2 or w.shape[0] != C:
-        raise ValueError(f"conv weight of shape {weight.shape} does not match C={C}")
-    if w.shape[1] < 2:
-        raise ValueError(f"conv kernel size must be >= 2, got weight shape {weight.shape}")
-    return w.astype(jnp.float32)
-
-
-def short_conv(
-    x: Float[Array, "B T C"],
-    weight: Float[Array, "..."],
-    state: Float[Array, "N Km1 C"] | None = None,
-    cu_seqlens: Int[Array, " Np1"] | None = None,
-) -> tuple[Float[Array, "B T C"], Float[Array, "N Km1 C"]]:
-    """Depthwise causal convolution of kernel ``K`` followed by SiLU.
-
-    ``weight`` is ``[C, K]`` (or the checkpoint's ``[C, 1, K]``); ``y_t = silu(sum_j w[:, j]
-    * x_{t-K+1+j})`` where inputs before the start come from ``state`` (the last ``K - 1``
-    inputs, ``[B, K-1, C]``, zeros if ``None``). Returns ``(y, new_state)``. With
-    ``cu_seqlens`` (``B == 1``, ``N`` packed sequences) ``state`` and ``new_state`` are
-    ``[N, K-1, C]`` and no sequence sees another's inputs.
-
-    >>> y, s = short_conv(jnp.ones((1, 5, 3)), jnp.ones((3, 4)))
-    >>> y.shape, s.shape
-    ((1, 5, 3), (1, 3, 3))
-    """
-    B, T, C = x.shape
-    w = _conv_weight(weight, C)
-    K = w.shape[1]
-    xf = x.astype(jnp.float32)
-    if cu_seqlens is None:
-        if state is None:
-            state = jnp.zeros((B, K - 1, C), x.dtype)
-        if state.shape != (B, K - 1, C):
-            raise ValueError(f"conv state has shape {state.shape}, expected {(B, K - 1, C)}")
-        full = jnp.concatenate([state.astype(jnp.float32), xf], axis=1)  # [B, K-1+T, C]
-        y = sum(full[:, j : j + T] * w[:, j] for j in range(K))
-        new_state = full[:, T:].astype(x.dtype)
-        return jax.nn.silu(y).astype(x.dtype), new_state
-
-    cu, seq, local = _packed_positions(cu_seqlens, B, T)
-    N = cu.shape[0] - 1
-    if state is None:
-        state = jnp.zeros((N, K - 1, C), x.dtype)
-    if state.shape != (N, K - 1, C):
-        raise ValueError(f"conv state has shape {state.shape}, expected {(N, K - 1, C)}")
-    st = state.astype(jnp.float32)
-    tok = jnp.arange(T, dtype=jnp.int32)
-
-    def lookback(s):
-        """Input ``s`` steps before each token (``s >= 1``), from x or from the state."""
-        from_x = xf[0, jnp.clip(tok - s, 0, T - 1)]
-        from_state = st[seq, jnp.clip(K - 1 + local - s, 0, K - 2)]
-        return jnp.where((local - s >= 0)[:, None], from_x, from_state)
-
-    y = xf[0] * w[:, K - 1]
-    for s in range(1, K):
-        y = y + lookback(s) * w[:, K - 1 - s]
-    # New state: the last K-1 inputs of [state, x_seq] for every sequence.
-    lens = cu[1:] - cu[:-1]
-    m = jnp.arange(K - 1, dtype=jnp.int32)
-    pos = lens[:, None] - (K - 1) + m[None, :]  # local positions, may be negative
-    from_x = xf[0, jnp.clip(cu[:-1, None] + pos, 0, T - 1)]
-    from_state = st[jnp.arange(N)[:, None], jnp.clip(K - 1 + pos, 0, K - 2)]
-    new_state = jnp.where((pos >= 0)[..., None], from_x, from_state).astype(x.dtype)
-    return jax.nn.silu(y)[None].astype(x.dtype), new_state
