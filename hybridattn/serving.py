@@ -41,7 +41,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from hybridattn._pytree import pytree_dataclass
-from hybridattn.backend import (
+from hybridattn.backends import (
     ForwardBatch,
     ForwardMode,
     HybridLinearAttnBackend,
@@ -51,6 +51,7 @@ from hybridattn.backend import (
 )
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
+from hybridattn.models.kimi_linear.params import _check_supported
 from hybridattn.pools import (
     HybridReqToTokenPool,
     MLATokenPool,
@@ -142,7 +143,7 @@ class ServingState:
                 config, mesh, max_running_requests=max_running_requests,
                 max_context_len=max_context_len, num_token_slots=num_token_slots, dtype=dtype,
                 chunk_size=chunk_size, seed=seed, num_snapshot_slots=num_snapshot_slots)
-        kimi_linear._check_supported(config)
+        _check_supported(config)
         if not config.kda_layer_ids or not config.full_attention_layer_ids:
             raise ValueError(
                 f"ServingState serves hybrid models: KDA layers {config.kda_layer_ids} and MLA "
@@ -345,44 +346,79 @@ def make_worker_batch(
     """
     if not items:
         raise ValueError("make_worker_batch needs at least one request")
+    tokens = _check_items(items, vocab_size, max_context_len, forward_mode, state)
+    lens, seq, B, T, W, Q = _buckets(items, tokens, forward_mode, max_context_len,
+                                     num_requests, num_tokens, kv_width, max_extend_len)
+    extras = _snapshot_fields(items, tokens, forward_mode, B, num_snapshots, snapshot_chunk)
+    sp = [it.sampling for it in items]
+    return ModelWorkerBatch(
+        input_ids=_pad(np.concatenate(tokens), T),
+        req_pool_indices=_pad([it.req_index for it in items], B),
+        seq_lens=_pad(seq, B),
+        extend_seq_lens=_pad(lens, B),
+        temperatures=_pad([0.0 if s.greedy else s.temperature for s in sp], B, np.float32),
+        top_ks=_pad([s.top_k for s in sp], B),
+        top_ps=_pad([s.top_p for s in sp], B, np.float32, 1.0),
+        seeds=_pad([s.seed or 0 for s in sp], B),
+        kv_width=W,
+        max_extend_len=Q,
+        forward_mode=forward_mode,
+        **extras,
+    )
+
+
+def _check_items(items, vocab_size, max_context_len, forward_mode, state):
+    """The host checks of :func:`make_worker_batch`, one ``ValueError`` naming the item; the
+    items' token ids, checked."""
     recorded = None
     if state is not None:  # the state-dependent checks step makes inside jit, with messages
         pool = state.req_to_token_pool
         recorded = (np.asarray(pool.req_to_state), np.asarray(pool.req_lens))
     seen: set[int] = set()
-    tokens = []
-    for n, it in enumerate(items):
-        row = check_int(f"request {n}: req_index", it.req_index, 1)
-        where = f"request {n} (row {row})"
-        ids = token_ids(f"{where}: token_ids", it.token_ids, vocab_size)
-        if row in seen:
-            raise ValueError(f"request {n}: row {row} appears twice in the batch")
-        seen.add(row)
-        prefix = check_int(f"{where}: prefix_len", it.prefix_len, 0)
-        if prefix + len(ids) > max_context_len:
-            raise ValueError(f"{where}: {prefix + len(ids)} tokens exceed "
-                             f"max_context_len={max_context_len}")
-        if forward_mode == ForwardMode.DECODE and len(ids) != 1:
-            raise ValueError(f"{where}: a DECODE batch takes one token per request, got "
-                             f"{len(ids)}")
-        if not isinstance(it.sampling, SamplingParams):
-            raise ValueError(f"{where}: sampling={it.sampling!r} must be a SamplingParams")
-        if recorded is not None:
-            states, lens = recorded
-            if row >= states.shape[0] or states[row] == 0:
-                raise ValueError(f"{where}: row {row} is not allocated in this state")
-            if lens[row] != prefix:
-                raise ValueError(f"{where}: prefix_len={prefix} but the row records "
-                                 f"{int(lens[row])} tokens (a stale or repeated batch?)")
-        check_int(f"{where}: restore_from", it.restore_from, 0)
-        if it.restore_from and prefix == 0:
-            raise ValueError(f"{where}: restore_from={it.restore_from} needs a prefix to restore")
-        for depth, slot in it.snapshots:
-            if not prefix < check_int(f"{where}: snapshot depth", depth, 1) <= prefix + len(ids):
-                raise ValueError(f"{where}: snapshot depth {depth} is outside this step's tokens "
-                                 f"({prefix}, {prefix + len(ids)}]")
-            check_int(f"{where}: snapshot slot", slot, 1)
-        tokens.append(ids)
+    return [_check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen)
+            for n, it in enumerate(items)]
+
+
+def _check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen):
+    """Item ``n``'s checks (``seen``: the rows of the items before it, this one added);
+    returns its token ids."""
+    row = check_int(f"request {n}: req_index", it.req_index, 1)
+    where = f"request {n} (row {row})"
+    ids = token_ids(f"{where}: token_ids", it.token_ids, vocab_size)
+    if row in seen:
+        raise ValueError(f"request {n}: row {row} appears twice in the batch")
+    seen.add(row)
+    prefix = check_int(f"{where}: prefix_len", it.prefix_len, 0)
+    if prefix + len(ids) > max_context_len:
+        raise ValueError(f"{where}: {prefix + len(ids)} tokens exceed "
+                         f"max_context_len={max_context_len}")
+    if forward_mode == ForwardMode.DECODE and len(ids) != 1:
+        raise ValueError(f"{where}: a DECODE batch takes one token per request, got "
+                         f"{len(ids)}")
+    if not isinstance(it.sampling, SamplingParams):
+        raise ValueError(f"{where}: sampling={it.sampling!r} must be a SamplingParams")
+    if recorded is not None:
+        states, lens = recorded
+        if row >= states.shape[0] or states[row] == 0:
+            raise ValueError(f"{where}: row {row} is not allocated in this state")
+        if lens[row] != prefix:
+            raise ValueError(f"{where}: prefix_len={prefix} but the row records "
+                             f"{int(lens[row])} tokens (a stale or repeated batch?)")
+    check_int(f"{where}: restore_from", it.restore_from, 0)
+    if it.restore_from and prefix == 0:
+        raise ValueError(f"{where}: restore_from={it.restore_from} needs a prefix to restore")
+    for depth, slot in it.snapshots:
+        if not prefix < check_int(f"{where}: snapshot depth", depth, 1) <= prefix + len(ids):
+            raise ValueError(f"{where}: snapshot depth {depth} is outside this step's tokens "
+                             f"({prefix}, {prefix + len(ids)}]")
+        check_int(f"{where}: snapshot slot", slot, 1)
+    return ids
+
+
+def _buckets(items, tokens, forward_mode, max_context_len, num_requests, num_tokens, kv_width,
+             max_extend_len):
+    """``(lens, seq, B, T, W, Q)``: the items' new and total lengths and the batch's buckets
+    (the defaults: exactly what the items need), checked."""
     lens = np.array([len(t) for t in tokens], np.int32)
     seq = lens + np.array([it.prefix_len for it in items], np.int32)
     B = num_requests or len(items)
@@ -399,54 +435,44 @@ def make_worker_batch(
         raise ValueError(f"kv_width={W} must be in {int(seq.max())}..{max_context_len}")
     if not lens.max() <= Q <= T:
         raise ValueError(f"max_extend_len={Q} must be in {int(lens.max())}..{T}")
+    return lens, seq, B, T, W, Q
 
-    def pad(values, size, dtype=np.int32, fill=0):
-        out = np.full(size, fill, dtype)
-        out[: len(values)] = values
-        return jnp.asarray(out)
 
-    sp = [it.sampling for it in items]
+def _pad(values, size, dtype=np.int32, fill=0):
+    out = np.full(size, fill, dtype)
+    out[: len(values)] = values
+    return jnp.asarray(out)
+
+
+def _snapshot_fields(items, tokens, forward_mode, B, num_snapshots, snapshot_chunk) -> dict:
+    """The batch's ``restore_from`` and ``snapshots`` fields (none when ``num_snapshots`` is
+    None and no item asks for them): see :func:`make_worker_batch`."""
     snaps = [(n, d, sl) for n, it in enumerate(items) for d, sl in it.snapshots]
-    extras = {}
     if num_snapshots is None and (snaps or any(it.restore_from for it in items)):
         num_snapshots = len(snaps)
-    if num_snapshots is not None:
-        if forward_mode == ForwardMode.DECODE:
-            raise ValueError("a DECODE batch restores and snapshots nothing")
-        if isinstance(num_snapshots, tuple):  # (windowed, aligned), split by the chunk grid
-            chunk = check_int("snapshot_chunk", snapshot_chunk, 1)
-            on_grid = [(d - items[n].prefix_len) % chunk == 0
-                       or d == items[n].prefix_len + len(tokens[n]) for n, d, _ in snaps]
-            parts = [[e for e, g in zip(snaps, on_grid, strict=True) if g == want]
-                     for want in (False, True)]
-            sizes = [check_int(f"num_snapshots[{i}]", m, len(p))
-                     for i, (m, p) in enumerate(zip(num_snapshots, parts, strict=True))]
-            windowed = sizes[0]
-            snaps = parts[0] + [(0, 0, 0)] * (sizes[0] - len(parts[0])) + parts[1]
-            M = sum(sizes)
-        else:
-            M = check_int("num_snapshots", num_snapshots, len(snaps))
-            windowed = None
-        cols = list(zip(*snaps, strict=True)) if snaps else [[], [], []]
-        extras = dict(
-            restore_from=pad([it.restore_from for it in items], B),
-            snapshots=SnapshotSpec(batch_index=pad(cols[0], M), lens=pad(cols[1], M),
-                                   slots=pad(cols[2], M), windowed=windowed))
-    return ModelWorkerBatch(
-        input_ids=pad(np.concatenate(tokens), T),
-        req_pool_indices=pad([it.req_index for it in items], B),
-        seq_lens=pad(seq, B),
-        extend_seq_lens=pad(lens, B),
-        temperatures=pad([0.0 if s.greedy else s.temperature for s in sp], B, np.float32),
-        top_ks=pad([s.top_k for s in sp], B),
-        top_ps=pad([s.top_p for s in sp], B, np.float32, 1.0),
-        seeds=pad([s.seed or 0 for s in sp], B),
-        kv_width=W,
-        max_extend_len=Q,
-        forward_mode=forward_mode,
-        **extras,
-    )
-
+    if num_snapshots is None:
+        return {}
+    if forward_mode == ForwardMode.DECODE:
+        raise ValueError("a DECODE batch restores and snapshots nothing")
+    if isinstance(num_snapshots, tuple):  # (windowed, aligned), split by the chunk grid
+        chunk = check_int("snapshot_chunk", snapshot_chunk, 1)
+        on_grid = [(d - items[n].prefix_len) % chunk == 0
+                   or d == items[n].prefix_len + len(tokens[n]) for n, d, _ in snaps]
+        parts = [[e for e, g in zip(snaps, on_grid, strict=True) if g == want]
+                 for want in (False, True)]
+        sizes = [check_int(f"num_snapshots[{i}]", m, len(p))
+                 for i, (m, p) in enumerate(zip(num_snapshots, parts, strict=True))]
+        windowed = sizes[0]
+        snaps = parts[0] + [(0, 0, 0)] * (sizes[0] - len(parts[0])) + parts[1]
+        M = sum(sizes)
+    else:
+        M = check_int("num_snapshots", num_snapshots, len(snaps))
+        windowed = None
+    cols = list(zip(*snaps, strict=True)) if snaps else [[], [], []]
+    return dict(
+        restore_from=_pad([it.restore_from for it in items], B),
+        snapshots=SnapshotSpec(batch_index=_pad(cols[0], M), lens=_pad(cols[1], M),
+                               slots=_pad(cols[2], M), windowed=windowed))
 
 class StepOutput(NamedTuple):
     """What a step returns besides the new state: per request the sampled next token and the
@@ -679,55 +705,10 @@ def step(
     (False, [0, 0], 4)
     """
     cfg = state.config
-    T = batch.num_tokens
-    ext = batch.extend_seq_lens
-    pool = state.req_to_token_pool
-    num_rows = pool.req_to_token.shape[0]
-    snaps = state.snapshot_pool
-    if snaps is None and (batch.restore_from is not None or batch.snapshots is not None):
-        raise ValueError("the batch restores or takes snapshots but the state has no "
-                         "snapshot_pool (ServingState.create(..., num_snapshot_slots=...))")
-    b, pos, live, last = _token_layout(batch)
-    # Positions below a row's borrowed length already hold a prefix cache's slots: tokens
-    # recomputed there (from a snapshot shallower than the cached KV) write to the sink.
-    borrowed = pool.borrowed[jnp.clip(batch.req_pool_indices, 0, num_rows - 1)]
-    fresh = live & (pos >= borrowed[b])
-    fits = _batch_fits(state, batch, cfg.vocab_size)
-    allocator, packed, ok = alloc(state.token_allocator, jnp.where(fits, jnp.sum(fresh), -1),
-                                  max_count=T)
-    # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
-    # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
-    go = ok & (ext > 0)
-    req_rows = jnp.where(go, batch.req_pool_indices, 0)
-    live, fresh = live & ok, fresh & ok
-    slots = jnp.where(fresh, packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)], 0)
-    req_pool = write_token_slots(pool, jnp.where(fresh, req_rows[b], 0), pos, slots, fresh)
-    req_pool = req_pool.replace(req_lens=req_pool.req_lens.at[
-        jnp.where(req_rows > 0, req_rows, num_rows)].set(batch.seq_lens, mode="drop"))
-    states, spec = state.recurrent_state_pool, None
-    if batch.restore_from is not None:  # copy-on-write: the snapshot is only read
-        src = jnp.where(go, batch.restore_from, 0)
-        dst = jnp.where(src > 0, pool.req_to_state[req_rows], 0)
-        states = copy_states_to(snaps, src, states, dst)
-    if batch.snapshots is not None:
-        spec = batch.snapshots.replace(slots=jnp.where(ok, batch.snapshots.slots, 0))
-    fb = ForwardBatch(
-        input_ids=batch.input_ids,
-        req_pool_indices=req_rows,
-        seq_lens=batch.seq_lens,
-        extend_seq_lens=ext,
-        out_cache_loc=slots,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=state.token_to_kv_pool,
-        recurrent_state_pool=states,
-        kv_width=batch.kv_width,
-        max_extend_len=batch.max_extend_len,
-        forward_mode=batch.forward_mode,
-        snapshot_pool=snaps,
-        snapshot_spec=spec,
-    )
+    allocator, ok, go, slots, fb = _forward_batch(state, batch)
     backend = state.backend.with_forward_metadata(state.backend.get_forward_metadata(fb))
     hidden, fb = kimi_linear.forward(params, cfg, backend, fb, comm)
+    _, _, _, last = _token_layout(batch)
     logits = kimi_linear.compute_logits(params, cfg, hidden[last])
     keys = request_keys(state.rng, batch.seeds, batch.seq_lens)
     tokens = sample(logits, batch.temperatures, batch.top_ks, batch.top_ps, keys)
@@ -742,6 +723,58 @@ def step(
     return new, StepOutput(tokens, logits, ok, slots)
 
 
+def _forward_batch(state: ServingState, batch: ModelWorkerBatch):
+    """Step's allocation and its model batch: ``(token_allocator, ok, go, slots,
+    forward_batch)``. ``ok``: the batch fits and its fresh tokens got slots; ``go``: the rows
+    that run; ``slots``: each token's slot (0 where it wrote none)."""
+    if state.snapshot_pool is None and (batch.restore_from is not None
+                                        or batch.snapshots is not None):
+        raise ValueError("the batch restores or takes snapshots but the state has no "
+                         "snapshot_pool (ServingState.create(..., num_snapshot_slots=...))")
+    fits = _batch_fits(state, batch, state.config.vocab_size)
+    T = batch.num_tokens
+    pool = state.req_to_token_pool
+    num_rows = pool.req_to_token.shape[0]
+    b, pos, live, _ = _token_layout(batch)
+    # Positions below a row's borrowed length already hold a prefix cache's slots: tokens
+    # recomputed there (from a snapshot shallower than the cached KV) write to the sink.
+    borrowed = pool.borrowed[jnp.clip(batch.req_pool_indices, 0, num_rows - 1)]
+    fresh = live & (pos >= borrowed[b])
+    allocator, packed, ok = alloc(state.token_allocator, jnp.where(fits, jnp.sum(fresh), -1),
+                                  max_count=T)
+    # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
+    # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
+    go = ok & (batch.extend_seq_lens > 0)
+    req_rows = jnp.where(go, batch.req_pool_indices, 0)
+    fresh = fresh & ok
+    slots = jnp.where(fresh, packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)], 0)
+    req_pool = write_token_slots(pool, jnp.where(fresh, req_rows[b], 0), pos, slots, fresh)
+    req_pool = req_pool.replace(req_lens=req_pool.req_lens.at[
+        jnp.where(req_rows > 0, req_rows, num_rows)].set(batch.seq_lens, mode="drop"))
+    states, spec, snaps = state.recurrent_state_pool, None, state.snapshot_pool
+    if batch.restore_from is not None:  # copy-on-write: the snapshot is only read
+        src = jnp.where(go, batch.restore_from, 0)
+        dst = jnp.where(src > 0, pool.req_to_state[req_rows], 0)
+        states = copy_states_to(snaps, src, states, dst)
+    if batch.snapshots is not None:
+        spec = batch.snapshots.replace(slots=jnp.where(ok, batch.snapshots.slots, 0))
+    fb = ForwardBatch(
+        input_ids=batch.input_ids,
+        req_pool_indices=req_rows,
+        seq_lens=batch.seq_lens,
+        extend_seq_lens=batch.extend_seq_lens,
+        out_cache_loc=slots,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=state.token_to_kv_pool,
+        recurrent_state_pool=states,
+        kv_width=batch.kv_width,
+        max_extend_len=batch.max_extend_len,
+        forward_mode=batch.forward_mode,
+        snapshot_pool=snaps,
+        snapshot_spec=spec,
+    )
+    return allocator, ok, go, slots, fb
+
 def _padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWorkerBatch:
     """``batch`` with the rows where ``keep`` is False turned into padding (row 0, no new
     token): they allocate no token slot and write only the slot-0 sinks."""
@@ -752,6 +785,26 @@ def _padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWo
         seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
         extend_seq_lens=jnp.where(keep, batch.extend_seq_lens, 0).astype(jnp.int32),
     )
+
+
+def _decode_limits(batch: ModelWorkerBatch, num_steps: int, stop_token_ids, max_tokens):
+    """:func:`decode_steps`'s checked ``(stop_token_ids [B, S], limits [B])`` (the steps each
+    row may run), with their defaults (no stop token; ``num_steps``)."""
+    if batch.forward_mode != ForwardMode.DECODE:
+        raise ValueError(f"decode_steps starts from a DECODE batch, got forward_mode="
+                         f"{batch.forward_mode.name} (run the prompt with step, then "
+                         "next_decode)")
+    B = batch.batch_size
+    if stop_token_ids is None:
+        stop_token_ids = jnp.full((B, 1), -1, jnp.int32)
+    if stop_token_ids.ndim != 2 or stop_token_ids.shape[0] != B:
+        raise ValueError(f"stop_token_ids has shape {stop_token_ids.shape}, expected "
+                         f"[B={B}, S]")
+    limits = (jnp.full((B,), num_steps, jnp.int32) if max_tokens is None
+              else jnp.minimum(max_tokens, num_steps).astype(jnp.int32))
+    if limits.shape != (B,):
+        raise ValueError(f"max_tokens has shape {limits.shape}, expected [B={B}]")
+    return stop_token_ids, limits
 
 
 def decode_steps(
@@ -800,20 +853,8 @@ def decode_steps(
     ((8, 2), dtype('int32'), ())
     """
     check_int("num_steps", num_steps, 1)
-    if batch.forward_mode != ForwardMode.DECODE:
-        raise ValueError(f"decode_steps starts from a DECODE batch, got forward_mode="
-                         f"{batch.forward_mode.name} (run the prompt with step, then "
-                         "next_decode)")
+    stop_token_ids, limits = _decode_limits(batch, num_steps, stop_token_ids, max_tokens)
     B = batch.batch_size
-    if stop_token_ids is None:
-        stop_token_ids = jnp.full((B, 1), -1, jnp.int32)
-    if stop_token_ids.ndim != 2 or stop_token_ids.shape[0] != B:
-        raise ValueError(f"stop_token_ids has shape {stop_token_ids.shape}, expected "
-                         f"[B={B}, S]")
-    limits = (jnp.full((B,), num_steps, jnp.int32) if max_tokens is None
-              else jnp.minimum(max_tokens, num_steps).astype(jnp.int32))
-    if limits.shape != (B,):
-        raise ValueError(f"max_tokens has shape {limits.shape}, expected [B={B}]")
     alive = (batch.req_pool_indices > 0) & (batch.extend_seq_lens > 0) & (limits > 0)
     tokens = jnp.full((num_steps, B), -1, jnp.int32)
     slots = jnp.zeros((num_steps, B), jnp.int32)
