@@ -83,13 +83,13 @@ from hybridattn.scheduler import (
 )
 from hybridattn.serving import (
     ServingState,
-    _padding_unless,
     borrow_prefix,
     decode_steps,
     make_worker_batch,
     release,
     step,
 )
+from hybridattn.serving.decode import _padding_unless
 from servecore import memory as _memory
 from servecore.progress import progress_bar
 from servecore.prompts import Prompt, check_text, decode, encode_prompt
@@ -1005,13 +1005,13 @@ class Engine:
             raise ValueError(f"prefix_cache={prefix_cache!r} must be a bool")
         if mesh is None:
             return 1
-        from hybridattn import sharding
+        from hybridattn.mesh import check_divisible, mesh_sizes
 
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh with axes ('data', "
                              "'tensor') (hybridattn.sharding.make_mesh)")
-        D, tensor = sharding.mesh_sizes(mesh)
-        sharding.check_divisible(config, D, tensor)
+        D, tensor = mesh_sizes(mesh)
+        check_divisible(config, D, tensor)
         if prefix_cache:
             raise ValueError("prefix_cache=True is not supported with a mesh: the prefix cache "
                              "(a radix tree over one token pool, with KDA state snapshots) "

@@ -51,232 +51,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Shaped
 
+from hybridattn import serving
 from hybridattn.config import KimiLinearConfig
+from hybridattn.mesh import (
+    BATCH_SPEC,
+    DATA,
+    TENSOR,
+    _is_spec,
+    check_divisible,
+    local_config,
+    mesh_sizes,
+    state_specs,
+)
 from hybridattn.models import kimi_linear
+from hybridattn.models.kimi_linear.partitioning import (
+    param_shardings,
+    param_specs,
+    stacked_param_specs,
+)
 from hybridattn.pools import alloc_reqs
 
-DATA, TENSOR = "data", "tensor"
-EXPERTS = (DATA, TENSOR)  # routed experts: split over both axes together
-
-# --------------------------------------------------------------------------------------------
-# the table
-# --------------------------------------------------------------------------------------------
-
-#: Parameter shardings, keyed ``"<kind>.<path in the layer>"`` (kinds: ``kda`` / ``mla``
-#: attention, ``moe`` and ``mlp`` blocks) or by the top-level path. Leaves not listed are
-#: replicated (norms, the router, ``kv_a_proj_with_mqa``, the low-rank ``f_a`` / ``g_a``
-#: projections, embeddings and ``lm_head``).
-PARAM_RULES: dict[str, P] = {
-    # KDA: heads over tensor (weights are [out, in]; head-major rows)
-    "kda.q_proj.weight": P(TENSOR, None),
-    "kda.k_proj.weight": P(TENSOR, None),
-    "kda.v_proj.weight": P(TENSOR, None),
-    "kda.q_conv1d.weight": P(TENSOR, None, None),
-    "kda.k_conv1d.weight": P(TENSOR, None, None),
-    "kda.v_conv1d.weight": P(TENSOR, None, None),
-    "kda.A_log": P(None, None, TENSOR, None),
-    "kda.dt_bias": P(TENSOR),
-    "kda.f_b_proj.weight": P(TENSOR, None),
-    "kda.g_b_proj.weight": P(TENSOR, None),
-    "kda.b_proj.weight": P(TENSOR, None),
-    "kda.o_proj.weight": P(None, TENSOR),  # row-parallel: psum over tensor
-    # MLA: query and kv_b (w_kc / w_vc) by head; the latent projection replicated
-    "mla.q_proj.weight": P(TENSOR, None),
-    "mla.kv_b_proj.weight": P(TENSOR, None),
-    "mla.o_proj.weight": P(None, TENSOR),  # row-parallel: psum over tensor
-    # MoE: routed experts over (data, tensor); shared experts channel-split over tensor
-    "moe.experts.w1": P(EXPERTS, None, None),
-    "moe.experts.w2": P(EXPERTS, None, None),
-    "moe.experts.w3": P(EXPERTS, None, None),
-    "moe.shared_experts.gate_proj.weight": P(TENSOR, None),
-    "moe.shared_experts.up_proj.weight": P(TENSOR, None),
-    "moe.shared_experts.down_proj.weight": P(None, TENSOR),  # psum over tensor
-    # dense MLP layers: channel-split over tensor
-    "mlp.gate_proj.weight": P(TENSOR, None),
-    "mlp.up_proj.weight": P(TENSOR, None),
-    "mlp.down_proj.weight": P(None, TENSOR),  # psum over tensor
-}
-
-#: Batches: every leaf of a stacked ``ModelWorkerBatch`` is ``[D, ...]``, split over data.
-BATCH_SPEC = P(DATA)
-
-
-def _leaf_key(path, config: KimiLinearConfig) -> str:
-    names = [p.key if hasattr(p, "key") else p.idx for p in path]
-    if names[:2] == ["model", "layers"]:
-        i, block, rest = names[2], names[3], names[4:]
-        if block == "self_attn":
-            kind = "kda" if config.is_kda_layer(i) else "mla"
-        elif block == "block_sparse_moe":
-            kind = "moe"
-        else:
-            kind = block  # mlp, input_layernorm, post_attention_layernorm
-        return ".".join([kind, *map(str, rest)])
-    return ".".join(map(str, names[1:] if names[0] == "model" else names))
-
-
-def mesh_sizes(mesh: jax.sharding.Mesh) -> tuple[int, int]:
-    """``(data, tensor)`` sizes of a mesh with those two axes; ValueError otherwise.
-
-    >>> mesh_sizes(make_mesh(1, 1))
-    (1, 1)
-    """
-    if tuple(mesh.axis_names) != (DATA, TENSOR):
-        raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}, expected ('data', 'tensor')"
-                         " (hybridattn.sharding.make_mesh)")
-    return mesh.shape[DATA], mesh.shape[TENSOR]
-
-
-def make_mesh(data: int, tensor: int, devices=None) -> jax.sharding.Mesh:
-    """A ``(data, tensor)`` mesh with explicit axis types over the first ``data * tensor``
-    devices (or ``devices``).
-
-    >>> mesh = make_mesh(1, 1)
-    >>> mesh.axis_names, mesh_sizes(mesh)
-    (('data', 'tensor'), (1, 1))
-    """
-    for name, n in (("data", data), ("tensor", tensor)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name}={n!r} must be a positive int")
-    if devices is None:
-        if data * tensor > len(jax.devices()):
-            raise ValueError(f"a {data}x{tensor} mesh needs {data * tensor} devices; JAX has "
-                             f"{len(jax.devices())} (set jax_num_cpu_devices before JAX starts)")
-        devices = jax.devices()[: data * tensor]
-    return jax.make_mesh((data, tensor), (DATA, TENSOR), devices=devices,
-                         axis_types=(AxisType.Explicit, AxisType.Explicit))
-
-
-def check_divisible(config: KimiLinearConfig, data: int, tensor: int) -> None:
-    """ValueError naming the count that a ``data x tensor`` mesh does not divide: KDA and MLA
-    heads and MLP channels by ``tensor``, routed experts by ``data * tensor``.
-
-    >>> check_divisible(KimiLinearConfig.tiny(), 1, 4)  # 4 heads, 4 experts: fine
-    >>> check_divisible(KimiLinearConfig.tiny(), 2, 4)
-    Traceback (most recent call last):
-    ...
-    ValueError: num_experts=4 is not divisible by the mesh's data*tensor size 8
-    """
-    need = [("linear_num_heads", config.linear_num_heads, tensor, "tensor"),
-            ("num_attention_heads", config.num_attention_heads, tensor, "tensor"),
-            ("intermediate_size", config.intermediate_size, tensor, "tensor")]
-    if config.num_experts:
-        need += [("num_experts", config.num_experts, data * tensor, "data*tensor"),
-                 ("moe_intermediate_size*num_shared_experts",
-                  config.moe_intermediate_size * max(config.num_shared_experts, 1), tensor,
-                  "tensor")]
-    for name, n, k, axis in need:
-        if n % k:
-            raise ValueError(f"{name}={n} is not divisible by the mesh's {axis} size {k}")
-
-
-def local_config(config: KimiLinearConfig, tensor: int) -> KimiLinearConfig:
-    """The config one device of a ``tensor``-wide mesh row runs: its share of the KDA and MLA
-    heads and of the dense MLP channels (experts keep their count: the router sees all).
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-    >>> local_config(cfg, 2).linear_num_heads, local_config(cfg, 2).num_attention_heads
-    (2, 2)
-    """
-    if tensor == 1:
-        return config
-    return dataclasses.replace(
-        config, linear_num_heads=config.linear_num_heads // tensor,
-        num_attention_heads=config.num_attention_heads // tensor,
-        num_key_value_heads=max(config.num_key_value_heads // tensor, 1),
-        intermediate_size=config.intermediate_size // tensor)
-
-
-def param_specs(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.float32):
-    """The ``PartitionSpec`` of every leaf of ``kimi_linear.param_shapes(config)``, from
-    ``PARAM_RULES``. Raises ValueError for a count the mesh does not divide, and checks that
-    every leaf split over ``tensor`` alone has the per-device shape of
-    ``param_shapes(local_config(config, tensor))``.
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-    >>> specs = param_specs(cfg, make_mesh(1, 1))
-    >>> specs["model"]["layers"][0]["self_attn"]["o_proj"]["weight"]
-    P(None, 'tensor')
-    """
-    data, tensor = mesh_sizes(mesh)
-    check_divisible(config, data, tensor)
-    shapes = kimi_linear.param_shapes(config, dtype)
-    specs = jax.tree_util.tree_map_with_path(
-        lambda path, _: PARAM_RULES.get(_leaf_key(path, config), P()), shapes)
-    local = jax.tree.leaves(kimi_linear.param_shapes(local_config(config, tensor), dtype))
-    for (path, full), spec, loc in zip(jax.tree_util.tree_leaves_with_path(shapes),
-                                       jax.tree.leaves(specs, is_leaf=_is_spec), local,
-                                       strict=True):
-        # MoE leaves split experts or shared-expert channels, which a config cannot shrink
-        # without shrinking the routed experts too: divisibility is all we check there.
-        if _leaf_key(path, config).startswith("moe."):
-            _shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
-        elif tuple(spec):
-            per_device = _shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
-            if per_device != loc.shape:
-                raise ValueError(f"{jax.tree_util.keystr(path)}: PARAM_RULES split {full.shape}"
-                                 f" to {per_device} per device; param_shapes of the per-device"
-                                 f" config says {loc.shape}")
-    return specs
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
-def _shard_shape(shape, spec, sizes) -> tuple[int, ...]:
-    out = list(shape)
-    for i, axes in enumerate(spec):
-        for a in (axes,) if isinstance(axes, str) else (axes or ()):
-            if out[i] % sizes[a]:
-                raise ValueError(f"dimension {i} of shape {tuple(shape)} is not divisible by "
-                                 f"the mesh's {a} size {sizes[a]}")
-            out[i] //= sizes[a]
-    return tuple(out)
-
-
-def stacked_param_specs(specs, config: KimiLinearConfig):
-    """``param_specs`` in the layout of ``kimi_linear.stack_layers``: a stacked layer's leaves
-    gain a leading unsplit (repeat or layer) axis.
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=12, hidden_size=32, vocab_size=64)
-    >>> specs = stacked_param_specs(param_specs(cfg, make_mesh(1, 1)), cfg)
-    >>> specs["model"]["layers"].kda["self_attn"]["o_proj"]["weight"]  # [layers, D, H Dv]
-    P(None, None, 'tensor')
-    """
-    layers = specs["model"]["layers"]
-    if isinstance(layers, kimi_linear.STACKED):
-        return specs
-    stacked = kimi_linear.stack_layer_list(
-        layers, config,
-        lambda items: jax.tree.map(lambda sp: P(None, *sp), items[0], is_leaf=_is_spec))
-    return {**specs, "model": {**specs["model"], "layers": stacked}}
-
-
-def param_shardings(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.float32,
-                    *, stacked: bool = False):
-    """``param_specs`` as ``NamedSharding``s on ``mesh`` (``stacked``: in the layout of
-    ``kimi_linear.stack_layers``).
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-    >>> param_shardings(cfg, make_mesh(1, 1))["model"]["layers"][1]["block_sparse_moe"][
-    ...     "experts"]["w1"].spec
-    P(('data', 'tensor'), None, None)
-    """
-    specs = param_specs(config, mesh, dtype)
-    if stacked:
-        specs = stacked_param_specs(specs, config)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
-
+__all__ = [
+    "MeshComm",
+    "ShardedStep",
+    "natural_conv",
+    "shard",
+    "shard_params",
+    "stack_batches",
+]
 
 def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     """``params`` placed on ``mesh`` by ``PARAM_RULES`` (each device receives only its
     shard).
 
+    >>> from hybridattn.mesh import make_mesh
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> params = shard_params(kimi_linear.init_params(cfg, jax.random.key(0)), cfg,
     ...                       make_mesh(1, 1))
@@ -285,80 +97,6 @@ def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     """
     stacked = isinstance(params["model"]["layers"], kimi_linear.STACKED)
     return jax.device_put(params, param_shardings(config, mesh, stacked=stacked))
-
-
-# --------------------------------------------------------------------------------------------
-# pools and batches
-# --------------------------------------------------------------------------------------------
-
-
-def _state_leaf_spec(path) -> P:
-    names = [p.name if hasattr(p, "name") else getattr(p, "idx", None) for p in path]
-    if names[0] == "rng":
-        return P()  # one base key; per-request keys come from seeds and positions
-    if names[0] in ("recurrent_state_pool", "snapshot_pool"):
-        if names[1] == "ssm":
-            return P(DATA, None, None, TENSOR)  # [D, Lk, S, H, Dk, Dv]: heads over tensor
-        if names[1] == "conv":  # [D, Lk, S, K-1, C]: each device its heads' q|k|v
-            return P(DATA, None, None, None, TENSOR)
-    return P(DATA)  # request table, allocators, MLA latents: split by request only
-
-
-def state_specs(state):
-    """The ``PartitionSpec`` of every leaf of a sharded ``ServingState``: the leading (data
-    shard) axis over ``data``, KDA state heads and conv channels over ``tensor``, the MLA
-    latent pool replicated over ``tensor``, the base key replicated.
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-    >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
-    ...                      num_token_slots=18)
-    >>> specs = state_specs(state)
-    >>> specs.recurrent_state_pool.ssm, specs.token_to_kv_pool.c_kv, specs.rng
-    (P('data', None, None, 'tensor'), P('data',), P())
-    """
-    return jax.tree_util.tree_map_with_path(lambda path, _: _state_leaf_spec(path), state)
-
-
-def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
-                 max_running_requests: int, max_context_len: int, num_token_slots: int,
-                 dtype=jnp.float32, chunk_size: int = 32, seed: int = 0,
-                 num_snapshot_slots: int = 0):
-    """A sharded ``ServingState`` (``ServingState.create(..., mesh=mesh)`` calls this):
-    ``D`` = ``mesh``'s data size shards, each with ``max_running_requests / D`` rows and
-    ``num_token_slots / D`` token slots (its own sink included), built in place on the mesh
-    (no shard passes through another device).
-
-    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-    >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
-    ...                      num_token_slots=18)
-    >>> state.mesh_shape, state.token_to_kv_pool.c_kv.shape  # [D, Lm, slots, kv_lora_rank]
-    ((1, 1), (1, 1, 18, 32))
-    """
-    from hybridattn.serving import ServingState
-
-    data, tensor = mesh_sizes(mesh)
-    check_divisible(config, data, tensor)
-    for name, n in (("max_running_requests", max_running_requests),
-                    ("num_token_slots", num_token_slots),
-                    ("num_snapshot_slots", num_snapshot_slots)):
-        if n % data:
-            raise ValueError(f"{name}={n} is not divisible by the mesh's data size {data}")
-
-    def build():
-        one = ServingState.create(
-            config, max_running_requests=max_running_requests // data,
-            max_context_len=max_context_len, num_token_slots=num_token_slots // data,
-            dtype=dtype, chunk_size=chunk_size, seed=seed,
-            num_snapshot_slots=num_snapshot_slots // data)
-        stacked = jax.tree_util.tree_map_with_path(
-            lambda path, x: x if path[0].name == "rng"
-            else jnp.broadcast_to(x[None], (data, *x.shape)), one)
-        return stacked.replace(mesh_shape=(data, tensor))
-
-    shapes = jax.eval_shape(build)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(shapes),
-                             is_leaf=_is_spec)
-    return jax.jit(build, out_shardings=shardings)()
 
 
 def natural_conv(conv: Shaped[Array, "*lead C"], tensor: int) -> Shaped[Array, "*lead C"]:
@@ -378,6 +116,8 @@ def shard(state, k: int):
     """Data shard ``k`` of a sharded state, as an ordinary single-device ``ServingState``
     (for inspection and tests; conv channels in the sharded order, see ``natural_conv``).
 
+    >>> from hybridattn.mesh import make_mesh
+    >>> from hybridattn.serving import create_state
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> state = create_state(cfg, make_mesh(1, 1), max_running_requests=2, max_context_len=8,
     ...                      num_token_slots=18)
@@ -393,6 +133,7 @@ def stack_batches(batches: Sequence, mesh: jax.sharding.Mesh):
     """One ``ModelWorkerBatch`` per data shard (same buckets, local row ids) stacked into the
     sharded step's batch, placed on ``mesh`` (``BATCH_SPEC``).
 
+    >>> from hybridattn.mesh import make_mesh
     >>> from hybridattn.serving import WorkItem, make_worker_batch
     >>> b = make_worker_batch([WorkItem(1, 0, [5, 6, 7])], vocab_size=64, max_context_len=8)
     >>> stack_batches([b], make_mesh(1, 1)).input_ids.shape  # [D, T]
@@ -476,6 +217,7 @@ class ShardedStep:
     sharding and the pools update in place. ``out.next_token_ids [D, B]``, ``out.ok [D]``;
     ``out.logits [D, B, V]`` only with ``logits=True`` (else None).
 
+    >>> from hybridattn.mesh import make_mesh
     >>> from hybridattn.serving import ServingState, WorkItem
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
     >>> mesh = make_mesh(1, 1)
@@ -541,19 +283,17 @@ class ShardedStep:
     # -- the step ----------------------------------------------------------------------------
 
     def _build_step(self, state_spec):
-        from hybridattn.serving import StepOutput
-        from hybridattn.serving import step as serving_step
 
         want_logits = self.logits
 
         def body(params, state, batch):
             self.trace_count += 1
-            new, out = serving_step(params, self._local(state), _unstack(batch), self.comm)
-            out = StepOutput(out.next_token_ids[None],
+            new, out = serving.step(params, self._local(state), _unstack(batch), self.comm)
+            out = serving.StepOutput(out.next_token_ids[None],
                              out.logits[None] if want_logits else None, out.ok[None])
             return self._global(new, state), out
 
-        out_spec = StepOutput(P(DATA), P(DATA) if want_logits else None, P(DATA))
+        out_spec = serving.StepOutput(P(DATA), P(DATA) if want_logits else None, P(DATA))
         sharded = jax.shard_map(body, mesh=self.mesh,
                                 in_specs=(self._param_specs, state_spec, BATCH_SPEC),
                                 out_specs=(state_spec, out_spec), check_vma=False)
@@ -584,13 +324,12 @@ class ShardedStep:
         """``serving.make_worker_batch`` per data shard (local rows; a shard with no items is
         all padding) stacked with ``stack_batches``; ``bucket`` must fix ``num_requests`` and
         ``num_tokens`` so the shards agree."""
-        from hybridattn.serving import make_worker_batch
 
         if len(items_per_shard) != self.data:
             raise ValueError(f"{len(items_per_shard)} item lists for {self.data} data shards")
         if not any(items_per_shard):
             raise ValueError("a sharded batch needs at least one request on some data shard")
-        batches = [make_worker_batch(items, **bucket) if items else None
+        batches = [serving.make_worker_batch(items, **bucket) if items else None
                    for items in items_per_shard]
         like = next(b for b in batches if b is not None)
         return stack_batches([_padding_like(like) if b is None else b for b in batches],
@@ -648,7 +387,6 @@ class ShardedStep:
 
     def release(self, state, rows_per_shard: Sequence[Sequence[int]]):
         """Free the given local rows (and their token and state slots) on each data shard."""
-        from hybridattn.serving import release
 
         width = max(max((len(r) for r in rows_per_shard), default=1), 1)
         rows = np.zeros((self.data, width), np.int32)
@@ -656,31 +394,7 @@ class ShardedStep:
             rows[k, : len(r)] = r
 
         def fn(local, r):
-            return release(local, r), r
+            return serving.release(local, r), r
 
         new, _ = self._map(fn, state, rows, key=("release", width))
         return new
-
-
-__all__ = [
-    "BATCH_SPEC",
-    "DATA",
-    "EXPERTS",
-    "MeshComm",
-    "PARAM_RULES",
-    "ShardedStep",
-    "TENSOR",
-    "check_divisible",
-    "create_state",
-    "local_config",
-    "make_mesh",
-    "mesh_sizes",
-    "natural_conv",
-    "param_shardings",
-    "param_specs",
-    "shard",
-    "shard_params",
-    "stacked_param_specs",
-    "stack_batches",
-    "state_specs",
-]

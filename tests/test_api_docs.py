@@ -29,7 +29,13 @@ HYBRIDATTN_API = [
     "hybridattn.backends.mla",
     "hybridattn.backends.kda",
     "hybridattn.backends.hybrid",
-    "hybridattn.serving",
+    "hybridattn.serving.state",
+    "hybridattn.serving.worker_batch",
+    "hybridattn.serving.sampling",
+    "hybridattn.serving.one_step",
+    "hybridattn.serving.decode",
+    "hybridattn.serving.rows",
+    "hybridattn.mesh",
     "hybridattn.sharding",
     "hybridattn.engine",
     "hybridattn.scheduler",
@@ -43,6 +49,7 @@ HYBRIDATTN_API = [
     "hybridattn.models.kimi_linear.forward",
     "hybridattn.models.kimi_linear.reference",
     "hybridattn.models.kimi_linear.checkpoint",
+    "hybridattn.models.kimi_linear.partitioning",
     "hybridattn.testing",
 ]
 MLXCACHE_API = [

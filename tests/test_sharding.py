@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridattn import mesh as MS
 from hybridattn import sharding as S
 from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear
+from hybridattn.models.kimi_linear import partitioning as PR
 from hybridattn.pools import alloc_reqs_or_raise
 from hybridattn.serving import ServingState, WorkItem, make_worker_batch, step
 
@@ -60,7 +62,7 @@ def _ref_state(n):
 
 
 def _sharded(mesh_shape, params):
-    mesh = S.make_mesh(*mesh_shape)
+    mesh = MS.make_mesh(*mesh_shape)
     D = mesh_shape[0]
     run = S.ShardedStep(CFG, mesh, logits=True)
     state = ServingState.create(CFG, max_running_requests=ROWS * D, max_context_len=L,
@@ -129,7 +131,7 @@ def test_the_2x4_step_keeps_shardings_and_holds_only_activation_collectives(para
     hlo = run.lower(sp, state, batch).compile().as_text()
     new, out = run(sp, state, batch)
     assert [x.sharding for x in jax.tree.leaves(new)] == before  # donation can reuse buffers
-    assert out.next_token_ids.sharding.spec == S.BATCH_SPEC
+    assert out.next_token_ids.sharding.spec == MS.BATCH_SPEC
     ops = _collectives(hlo)
     # KDA o_proj, dense MLP, MLA o_proj, routed experts (over tensor), shared experts: one
     # all-reduce each (XLA may merge some); the MoE gathers tokens / routes over data and
@@ -183,9 +185,9 @@ def test_per_device_bytes_follow_the_table(params):
     total, per = _per_device_bytes(state.token_to_kv_pool, dev)
     assert per * 2 == total
     # params: each leaf's shard is its size over the mesh axes its spec names
-    specs = S.param_specs(CFG, mesh)
+    specs = PR.param_specs(CFG, mesh)
     want = 0
-    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=S._is_spec),
+    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=MS._is_spec),
                        strict=True):
         axes = [a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))]
         want += x.nbytes // int(np.prod([mesh.shape[a] for a in axes]))
@@ -232,24 +234,24 @@ def test_divisibility_errors_name_the_count():
     with pytest.raises(ValueError, match=r"linear_num_heads=6 is not divisible by the mesh's "
                                          r"tensor size 4"):
         S.ShardedStep(KimiLinearConfig.tiny(linear_num_heads=6, num_attention_heads=8,
-                                            num_experts=8), S.make_mesh(2, 4))
+                                            num_experts=8), MS.make_mesh(2, 4))
     with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by the mesh's "
                                          r"data\*tensor size 8"):
-        S.param_specs(KimiLinearConfig.tiny(linear_num_heads=8, num_attention_heads=8),
-                      S.make_mesh(2, 4))
+        PR.param_specs(KimiLinearConfig.tiny(linear_num_heads=8, num_attention_heads=8),
+                      MS.make_mesh(2, 4))
     with pytest.raises(ValueError, match=r"max_running_requests=3 is not divisible by the "
                                          r"mesh's data size 2"):
         ServingState.create(CFG, max_running_requests=3, max_context_len=8,
-                            num_token_slots=32, mesh=S.make_mesh(2, 4))
+                            num_token_slots=32, mesh=MS.make_mesh(2, 4))
     with pytest.raises(ValueError, match=r"mesh axes are \('x',\)"):
-        S.mesh_sizes(jax.make_mesh((2,), ("x",)))
+        MS.mesh_sizes(jax.make_mesh((2,), ("x",)))
 
 
 def test_load_places_each_tensor_with_its_sharding(params, tmp_path):
     kimi_linear.save_pretrained(params, CFG, tmp_path)
-    mesh = S.make_mesh(2, 4)
+    mesh = MS.make_mesh(2, 4)
     _, loaded = kimi_linear.load(tmp_path, mesh=mesh)
-    want = S.param_shardings(CFG, mesh)
+    want = PR.param_shardings(CFG, mesh)
     for got, sh, ref in zip(jax.tree.leaves(loaded), jax.tree.leaves(want),
                             jax.tree.leaves(params), strict=True):
         assert got.sharding == sh
@@ -275,7 +277,7 @@ def engines(params):
     ref = Engine(CFG, params, num_token_slots=97, request_buckets=(4,), prefix_cache=False,
                  **ENGINE)
     eng = Engine(CFG, params, num_token_slots=2 * 49, request_buckets=(2,),
-                 mesh=S.make_mesh(2, 4), **ENGINE)
+                 mesh=MS.make_mesh(2, 4), **ENGINE)
     assert (eng.max_running_requests, eng.capacity, eng.shard_capacity) == (4, 96, 48)
     assert eng.prefix_cache is False and eng.tree is None  # the default under a mesh
     return ref, eng
@@ -384,7 +386,7 @@ def test_engine_on_a_mesh_streams_aborts_and_generates(engines):
 def test_engine_mesh_errors_name_the_value(params):
     from hybridattn.engine import Engine
 
-    mesh = S.make_mesh(2, 4)
+    mesh = MS.make_mesh(2, 4)
     geo = dict(ENGINE, num_token_slots=98)
     with pytest.raises(ValueError, match=r"prefix_cache=True is not supported with a mesh"):
         Engine(CFG, params, mesh=mesh, prefix_cache=True, **geo)
@@ -442,7 +444,7 @@ def test_engine_with_grouped_layers_on_a_2x4_mesh_equals_the_unsharded_engine():
     ref = Engine(cfg, params, num_token_slots=97, request_buckets=(4,), prefix_cache=False,
                  **ENGINE)
     eng = Engine(cfg, params, num_token_slots=2 * 49, request_buckets=(2,),
-                 mesh=S.make_mesh(2, 4), **ENGINE)
+                 mesh=MS.make_mesh(2, 4), **ENGINE)
     layers = eng.params["model"]["layers"]
     assert isinstance(layers, kimi_linear.GroupedLayers) and layers.folded == 1
     prompts, news = _workload()

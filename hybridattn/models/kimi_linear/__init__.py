@@ -40,6 +40,12 @@ from hybridattn.models.kimi_linear.layers import (
 from hybridattn.models.kimi_linear.layout import checkpoint_layout, serving_layout, to_checkpoint
 from hybridattn.models.kimi_linear.mlp import dense_mlp, route, routed_experts, sparse_moe
 from hybridattn.models.kimi_linear.params import check_params, init_params, param_shapes
+from hybridattn.models.kimi_linear.partitioning import (
+    PARAM_RULES,
+    param_shardings,
+    param_specs,
+    stacked_param_specs,
+)
 from hybridattn.models.kimi_linear.primitives import rms_norm
 from hybridattn.models.kimi_linear.reference import apply
 from hybridattn.models.kimi_linear.stacking import (
@@ -56,6 +62,10 @@ from hybridattn.models.kimi_linear.stacking import (
 )
 
 __all__ = [
+    "PARAM_RULES",
+    "param_shardings",
+    "param_specs",
+    "stacked_param_specs",
     "STACKED",
     "GroupedLayers",
     "StackedLayers",

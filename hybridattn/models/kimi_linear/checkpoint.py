@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models.kimi_linear.layout import to_checkpoint
 from hybridattn.models.kimi_linear.params import _MAX_PROBLEMS, _keeps_f32, param_shapes
+from hybridattn.models.kimi_linear.partitioning import param_shardings
 from hybridattn.models.kimi_linear.primitives import Params
 from servecore.progress import progress_bar
 from servecore.prompts import load_tokenizer as _load_tokenizer
@@ -201,7 +202,7 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32, *, mesh=None,
     errors). Params come out in the ``init_params`` layout, floating tensors in ``dtype``
     but for the float32 ``A_log``, ``dt_bias`` and ``e_score_correction_bias``. With a
     ``(data, tensor)`` ``mesh`` each tensor goes from the file straight to its shards on
-    the mesh (``hybridattn.sharding.param_shardings``), never whole onto one device.
+    the mesh (``partitioning.param_shardings``), never whole onto one device.
     ``progress`` shows the tensors read as a tqdm bar on stderr when it is a terminal. The
     directory's tokenizer, if it ships one, is ``load_tokenizer``'s.
 
@@ -261,7 +262,6 @@ def load(path: str | os.PathLike[str], dtype=jnp.float32, *, mesh=None,
             found[c] = (tuple(sl.get_shape()), dt.startswith("F") or dt == "BF16")
         shardings = None
         if mesh is not None:
-            from hybridattn.sharding import param_shardings
             shardings = param_shardings(config, mesh, dtype)
         params = _assemble(lambda n: handles[where[n]].get_tensor(n), found, names, config,
                            dtype, path, progress, shardings)

@@ -208,7 +208,7 @@ def stack_layer_list(layers: list, config: KimiLinearConfig,
     """``layers`` (one item per layer: a parameter dict, or anything laid out alike) as
     ``stack_layers`` lays them out, ``stack`` joining the items of layers run as one
     (``GroupedLayers`` or ``StackedLayers``); ``layers`` itself when nothing repeats.
-    ``sharding.stacked_param_specs`` lays out its specs with it.
+    ``partitioning.stacked_param_specs`` lays out its specs with it.
 
     A folded layer's MLP (``folded_layers``) is stacked apart from its other entries, so with
     folded layers the items must be dicts keyed like a layer's parameters. Each layer's id as
