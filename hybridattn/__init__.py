@@ -14,6 +14,8 @@ inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
   ``save_pretrained``), the serving ``forward`` and the cache-free ``apply``.
 * ``hybridattn.serving``: the pure serving ``step`` over a ``ServingState``:
   ``new_state, out = step(params, state, batch)``.
+* ``hybridattn.mesh`` (the ``(data, tensor)`` mesh and its partition specs) and
+  ``hybridattn.sharding`` (``ShardedStep``: the step on every device of a mesh).
 * ``Engine``: continuous batching and prefix caching around ``step``:
   ``engine.generate(prompts, 16)``; ``hybridattn.scheduler`` is its plain-Python host logic.
 * ``hybridattn.testing`` (imported on its own; needs hypothesis): strategies and reference
