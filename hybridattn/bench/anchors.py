@@ -40,7 +40,7 @@ import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
-from hybridattn.models.kimi_linear import _MAX_PAIRS
+from hybridattn.models.kimi_linear.mlp import _MAX_PAIRS
 from servecore.validate import check_int
 
 __all__ = [

@@ -92,7 +92,7 @@ turn, so a noisy neighbour slows all of them alike; read the ratios. A tqdm bar 
 follows the work when stderr is a terminal. ``--plot DIR`` also writes the result as a PNG
 (``hybridattn.bench.plots``), from this run or, with ``--from-json FILE``, from a saved one.
 
-``mla``: the measurements behind :mod:`hybridattn.mla`'s choices, printed as Markdown tables
+``mla``: the measurements behind :mod:`hybridattn.ops.mla`'s choices, printed as Markdown tables
 (``hybridattn.bench.mla``): ``forms``, absorbed vs decompressed extend over a 16k cached
 prefix; ``blocks``, block sizes; ``memory``, the compiled scratch of one extend step at width
 64k, dense oracle vs blockwise.

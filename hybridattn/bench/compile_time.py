@@ -13,7 +13,7 @@ import time
 import jax
 
 import hybridattn
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.bench.common import median
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
@@ -80,7 +80,7 @@ _COMPILE_STEP = r"""
 import json, sys, time
 import jax
 from hybridattn import engine as E
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
 from hybridattn.scheduler import bucket

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridattn.backend import ForwardBatch, ForwardMode
+from hybridattn.backends import ForwardBatch, ForwardMode
 from hybridattn.bench import anchors as A
 from hybridattn.bench.common import interleaved_best, machine
 from hybridattn.config import KimiLinearConfig

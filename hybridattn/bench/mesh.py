@@ -10,8 +10,9 @@ import jax
 import numpy as np
 
 from hybridattn import sharding
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.bench.serve import serve_config
+from hybridattn.mesh import make_mesh
 from hybridattn.models import kimi_linear
 from hybridattn.pools import alloc_reqs_or_raise
 from hybridattn.serving import ServingState, WorkItem, make_worker_batch, step
@@ -22,7 +23,7 @@ def bench_serve_mesh(data: int, tensor: int, batch: int = 2, prompt_len: int = 3
     """``serve --mesh``: the sharded step on a ``data x tensor`` mesh, ``batch`` requests of
     ``prompt_len`` tokens per data shard, one prefill and ``new_tokens - 1`` decodes."""
     config = serve_config()
-    mesh = sharding.make_mesh(data, tensor)
+    mesh = make_mesh(data, tensor)
     params = kimi_linear.init_params(config, jax.random.key(0))
     L = prompt_len + new_tokens
     slots = batch * L + 1

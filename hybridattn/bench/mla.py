@@ -1,4 +1,4 @@
-"""Measurements behind :mod:`hybridattn.mla`'s choices (a program, not a test; the library
+"""Measurements behind :mod:`hybridattn.ops.mla`'s choices (a program, not a test; the library
 never imports it).
 
 ``python -m hybridattn.bench mla forms``: absorbed vs decompressed extend over a 16k cached

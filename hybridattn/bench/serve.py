@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.bench import anchors as A
 from hybridattn.bench.common import PEAK_N, machine, median
 from hybridattn.bench.compile_time import (

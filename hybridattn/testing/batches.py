@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridattn import pools
-from hybridattn.backend import ForwardBatch, ForwardMode
-from hybridattn.batch import BatchRequest, make_forward_batch
+from hybridattn.backends import BatchRequest, ForwardBatch, ForwardMode, make_forward_batch
 from hybridattn.config import KimiLinearConfig
 from hybridattn.serving import (
     ModelWorkerBatch,

@@ -22,6 +22,7 @@ import numpy as np
 
 from hybridattn import pools
 from hybridattn.pools import SlotAllocator
+from hybridattn.pools.allocator import _check_int
 from hybridattn.serving import release
 
 
@@ -52,7 +53,7 @@ def int_tuple(name: str, values, minimum: int = 1) -> tuple[int, ...]:
 
 
 def checked_int(name: str, value, minimum: int) -> int:
-    pools._check_int(name, value, minimum)
+    _check_int(name, value, minimum)
     return value
 
 

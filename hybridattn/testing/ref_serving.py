@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import ArrayLike, Bool, Int
 
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.serving import (
     ModelWorkerBatch,
     ServingState,
