@@ -95,8 +95,8 @@ class Harness:
         self.kv, self.st = fb.token_to_kv_pool, fb.recurrent_state_pool
 
 
-# The engine geometry the serving tests share (tests/test_serving.py,
-# tests/test_adversarial_hybridattn.py), so their compiled steps are shared too.
+# The engine geometry the serving tests share (tests/hybridattn/test_serving.py,
+# tests/hybridattn/test_adversarial_hybridattn.py), so their compiled steps are shared too.
 CFG = KimiLinearConfig.tiny()  # 3 KDA : 1 MLA, MoE with a shared expert, dense layer 0
 # One pool geometry and one set of buckets for every engine here, so the compiled steps are
 # shared between tests: 384 token slots of a 96-token context hold 4 full requests.

@@ -43,7 +43,7 @@ and :func:`mla_decode` compute the same thing with workspace independent of ``W`
 
 Workspace: one item's scores ``[H, bq, bk]`` and (decompressed) K/V block ``[H, bk, dn + dv]``,
 plus the accumulators ``[H, T + bq, r or dv]``: O(tokens in the batch + bq x bk x H), none of
-it a multiple of ``W``. ``tests/test_mla_blockwise.py`` checks that on the compiled forward of
+it a multiple of ``W``. ``tests/hybridattn/test_mla_blockwise.py`` checks that on the compiled forward of
 a 64k-wide page table.
 
 Measured on a shared 2-core x86 CPU (float32, one request over a 16k cached prefix, blocks and

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 
 from hybridattn.bench.cli import main  # noqa: E402
 
-SAVED = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench"
+SAVED = pathlib.Path(__file__).resolve().parents[2] / "docs" / "bench"
 
 
 @pytest.mark.parametrize("what", ["kda", "serve", "prefix"])

@@ -1,4 +1,4 @@
-"""The state-carrying tree machine of ``tests/test_radix_states.py`` driving mlxcache's state
+"""The state-carrying tree machine of ``tests/servecore/test_radix_states.py`` driving mlxcache's state
 pool: every state handle is a slot of an MLX ``StatePool`` (from a ``SlotAllocator``), written
 with ``set_states`` when the tree takes it and read back with ``get_states`` on every match.
 Checked after every step, besides the tree machine's own invariants: pool functions never
@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant, rule
 mx = pytest.importorskip("mlx.core")
 
 from mlxcache.pool import alloc, free, get_states, init_allocator, init_state_pool, set_states  # noqa: E402
-from tests.test_radix_states import TreeWithStates, tokens_st  # noqa: E402
+from tests.servecore.test_radix_states import TreeWithStates, tokens_st  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

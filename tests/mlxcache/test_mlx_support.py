@@ -18,7 +18,7 @@ from mlxcache.layers import describe  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _table(path: Path) -> list[tuple[str, ...]]:

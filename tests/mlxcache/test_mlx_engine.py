@@ -421,7 +421,7 @@ def _sliding_llama():
 
 @pytest.mark.parametrize("build", [_qwen3_next, _sliding_llama], ids=["qwen3_next", "sliding"])
 def test_hybrid_and_sliding_window_models_are_served_with_reuse(build):
-    """(tests/test_mlx_hybrid.py covers these families scenario by scenario.)"""
+    """(tests/mlxcache/test_mlx_hybrid.py covers these families scenario by scenario.)"""
     model = build()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReuseDisabledWarning)

@@ -316,7 +316,7 @@ def test_soak_250_requests_with_sessions_tight_pools_and_both_evictions():
     s = eng.stats
     assert s.state_evictions > 0 and s.token_evictions > 0 and s.hit_rate > 0.1
     # the oracle: the same requests through the engine without the cache, four at a time
-    # (continuous batching equals serving each alone: tests/test_serving.py)
+    # (continuous batching equals serving each alone: tests/hybridattn/test_serving.py)
     cold = Engine(CFG, PARAMS, **ENGINE, prefix_cache=False)
     ids = {cold.add_request(prompt, n, **kinds[kind]): rid
            for rid, (prompt, n, kind) in jobs.items()}

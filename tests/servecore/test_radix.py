@@ -312,7 +312,7 @@ def test_release_locks_leaves_everything_evictable_and_all_slots_lists_the_tree(
 
 
 def test_radix_module_does_not_import_mlx():
-    path = Path(__file__).parents[1] / "mlxcache" / "radix.py"
+    path = Path(__file__).parents[2] / "mlxcache" / "radix.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('radix', {str(path)!r})\n"
