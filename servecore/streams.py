@@ -144,16 +144,16 @@ class Streams:
     def step(self) -> list[tuple[int, int | None, bool]]:
         """One round; returns ``(request id, token, finished)`` for every token of the
         requests queued with ``add_request`` not returned yet, whoever's round made it
-        (``token`` None: the request ended without one, dropped by a failed round)."""
+        (``token`` None: the request ended without one, dropped by a failed round). A round
+        that raises returns nothing: what it and earlier rounds made stays queued, and the
+        next ``step`` returns it."""
         with self._entered():
-            try:
-                self._round()
-            finally:
-                events = list(self._steps)
-                self._steps.clear()
-                for ev in events:
-                    if ev.finished:
-                        self._delivered(ev.rid)
+            self._round()
+            events = list(self._steps)
+            self._steps.clear()
+            for ev in events:
+                if ev.finished:
+                    self._delivered(ev.rid)
             return [(ev.rid, ev.token, ev.finished) for ev in events]
 
     def abort(self, rid: int) -> bool:

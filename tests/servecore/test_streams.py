@@ -194,6 +194,26 @@ TestStreamsMachine = StreamsMachine.TestCase
 TestStreamsMachine.settings = settings(stateful_step_count=30)
 
 
+def test_a_step_that_fails_keeps_the_tokens_made_before_for_the_next_step():
+    """Tokens committed for ``add_request`` requests (here by a stream's round) are not lost
+    when the ``step`` that would return them fails: the next ``step`` returns them, then the
+    requests the failure dropped."""
+    core = FakeCore()
+    front = Streams(core, RequestBuilder(vocab_size=VOCAB))
+    rid = front.add_request([1], 3)
+    stream = front.stream([[2]], 3)
+    first = next(stream)  # its round made request rid's first token too
+    core.fail_next = True
+    with pytest.raises(FakeFailure):
+        front.step()
+    want = expected_tokens(front.build.one([1], 3))
+    assert front.step() == [(rid, want[0], False), (rid, None, True)]
+    assert first == (0, expected_tokens(stream.requests[0])[0])
+    with pytest.raises(RuntimeError, match="were dropped"):
+        list(stream)
+    assert not front.has_unfinished() and not front._owner
+
+
 def test_a_stream_yields_what_the_core_makes_and_ends_with_its_requests():
     front = Streams(FakeCore(rows=1), RequestBuilder(vocab_size=VOCAB))
     s = front.stream([[1, 2], [3]], [2, 3])
