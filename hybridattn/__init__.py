@@ -17,7 +17,7 @@ inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
 * ``hybridattn.mesh`` (the ``(data, tensor)`` mesh and its partition specs) and
   ``hybridattn.sharding`` (``ShardedStep``: the step on every device of a mesh).
 * ``Engine``: continuous batching and prefix caching around ``step``:
-  ``engine.generate(prompts, 16)``; ``hybridattn.scheduler`` is its plain-Python host logic.
+  ``engine.generate(prompts, 16)``; ``hybridattn.engine.scheduler`` is its plain-Python host logic.
 * ``hybridattn.testing`` (imported on its own; needs hypothesis): strategies and reference
   implementations for property tests.
 

@@ -18,7 +18,7 @@ from hybridattn.bench.common import median
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M
-from hybridattn.scheduler import bucket
+from hybridattn.engine.buckets import bucket
 from hybridattn.serving import WorkItem, make_worker_batch
 
 COMPILE_LAYERS = (4, 12, 27)
@@ -55,7 +55,7 @@ def compile_vs_layers(layers) -> list[dict]:
                     num_tokens=tokens, kv_width=W, max_extend_len=Q,
                     snapshot_chunk=e.scheduler.chunk_size)
                 t0 = time.perf_counter()
-                traced = e._jit.step.trace(e.params, e.state, batch)
+                traced = e.core.runner.jit.step.trace(e.params, e.state, batch)
                 t1 = time.perf_counter()
                 lowered = traced.lower()
                 t2 = time.perf_counter()
@@ -80,16 +80,23 @@ _COMPILE_STEP = r"""
 import json, sys, time
 import jax
 from hybridattn import engine as E
-from hybridattn.backends import ForwardMode
+try:
+    from hybridattn.backends import ForwardMode
+except ImportError:  # a checkout before the backends package (2026-12-04)
+    from hybridattn.backend import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
-from hybridattn.scheduler import bucket
+try:
+    from hybridattn.engine.buckets import bucket
+except ImportError:  # a checkout before the engine package (2026-12-04)
+    from hybridattn.scheduler import bucket
 from hybridattn.serving import WorkItem, make_worker_batch
 
 cfg = KimiLinearConfig.tiny(num_hidden_layers=int(sys.argv[1]))
 e = E.Engine(cfg, M.init_params(cfg, jax.random.key(0)), max_running_requests=1,
              max_context_len=64, num_token_slots=65, prefix_cache=False)
-step = e._jit.step if hasattr(e, "_jit") else E._step  # a module-level jit before 2026-12-02
+step = (e.core.runner.jit.step if hasattr(e, "core")  # the engine package (2026-12-04)
+        else e._jit.step if hasattr(e, "_jit") else E._step)  # module-level before 2026-12-02
 W, T = bucket(1, e.kv_buckets, "width"), bucket(1, e.token_buckets, "tokens")
 out = {}
 for kind, mode, first, n, Q in (("prefill", ForwardMode.EXTEND, 0, T, T),

@@ -23,7 +23,7 @@ from hybridattn.bench.common import interleaved_best, machine
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M
-from hybridattn.scheduler import bucket
+from hybridattn.engine.buckets import bucket
 from hybridattn.serving import WorkItem, make_worker_batch
 
 LONGCTX_LENGTHS = (4096, 16384, 65536, 262144)
@@ -125,7 +125,8 @@ def _precompile_longctx(engine, prompt_len: int, new_tokens: int) -> None:
             [WorkItem(row, start, [1] * n)], vocab_size=e.config.vocab_size,
             max_context_len=e.max_context_len, forward_mode=mode, num_requests=B, num_tokens=T,
             kv_width=W, max_extend_len=Q, snapshot_chunk=e.scheduler.chunk_size)
-        e.state, out = e._call(e._jit.step, e.params, e.state, batch)  # counted as its own
+        r = e.core.runner
+        r.state, out = r.call(r.jit.step, r.params, r.state, batch)  # counted as its own
         assert not bool(out.ok), "the warm-up batch was meant to fail its fit check"
 
 

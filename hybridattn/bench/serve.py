@@ -51,25 +51,26 @@ def _capture_steps(engine) -> dict:
     """Spy on ``engine``'s jitted calls: the returned dict gets, for the first prefill and
     the first decode step it runs, ``(fn, params, state, batch)`` with the state copied
     before the step donates it and the batch already on the device, for ``_step_alone``.
-    ``del engine._call`` ends the spying. The copies cost time: spy on an untimed run."""
+    ``del engine.core.runner.call`` ends the spying. The copies cost time: spy on an untimed run."""
     captured: dict = {}
-    call = engine._call
+    runner = engine.core.runner
+    call = runner.call
 
     def spy(fn, *args, **kwargs):
-        if fn is engine._jit.step:
+        if fn is runner.jit.step:
             params, state, batch = args
             kind = "decode" if batch.forward_mode == ForwardMode.DECODE else "prefill"
             if kind not in captured:
                 captured[kind] = (fn, params, jax.tree.map(lambda x: x.copy(), state),
                                   jax.device_put(batch), 1)
-        elif fn in engine._jit._decode.values() and "decode" not in captured:
+        elif fn in runner.jit._decode.values() and "decode" not in captured:
             # a multi-step decode: (batch, stop ids, limits); it runs max(limits) steps
             params, state, *rest = args
             captured["decode"] = (fn, params, jax.tree.map(lambda x: x.copy(), state),
                                   jax.device_put(tuple(rest)), int(np.max(rest[2])))
         return call(fn, *args, **kwargs)
 
-    engine._call = spy
+    runner.call = spy
     return captured
 
 
@@ -153,7 +154,7 @@ def _ours_serve(config, params, prompts: np.ndarray, new_tokens: int, repeats: i
     t0 = time.perf_counter()
     tokens = engine.generate(prompts.tolist(), new_tokens)  # compiles
     first_run_s = time.perf_counter() - t0
-    del engine._call  # the spy
+    del engine.core.runner.call  # the spy
     compiles, compile_s = engine.stats.num_compilations, engine.stats.compile_seconds
     buckets = _bucket_rows(engine.stats.bucket_compile_seconds)
     best_prefill = best_step = math.inf

@@ -26,7 +26,7 @@ request (one token each) and, when some admitted request still has prompt tokens
 chunks up to ``chunked_prefill_size`` tokens (an ``EXTEND`` step); otherwise it is a
 ``DECODE`` step of every running request.
 
-With ``prefix_cache`` (see ``hybridattn.prefix_cache``), admission matches the prompt in the
+With ``prefix_cache`` (``hybridattn.engine.prefix_cache``), admission matches the prompt in the
 radix tree, locks the path, lets the row borrow the cached KV and restores the deepest
 snapshot at most one token short of the prompt; the prefill then recomputes only the rest,
 snapshotting on the way. After each chunk that took snapshots (and when the whole prompt has
@@ -60,240 +60,21 @@ it. When the request finishes, prompt and answer go in, ending at a snapshot of 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
 
-from hybridattn.backends import ForwardMode
-from hybridattn.prefix_cache import SnapshotSlots, snapshot_points
-from hybridattn.serving import WorkItem
-from servecore.radix import RadixCache
-from servecore.sampling import SamplingParams
+from hybridattn.engine.buckets import bucket
+from hybridattn.engine.plan import (
+    Admission,
+    Mode,
+    Release,
+    Request,
+    ShardedPlan,
+    StepPlan,
+)
+from hybridattn.engine.prefix_cache import PrefixCache
 
-__all__ = ["Admission", "Borrow", "FreeSlots", "Release", "Request", "Scheduler",
-           "ShardedPlan", "ShardedScheduler", "StepPlan", "bucket", "kv_ladder", "ladder"]
-
-
-def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
-    """``lo, lo * factor, ...`` below ``hi``, then ``hi``: the default shape buckets (few
-    buckets, few compilations; padding wastes at most ``factor``x).
-
-    >>> ladder(16, 200)
-    (16, 64, 200)
-    """
-    out = []
-    while lo < hi:
-        out.append(lo)
-        lo *= factor
-    return (*out, hi)
-
-
-def kv_ladder(hi: int, lo: int = 64, switch: int = 4096) -> tuple[int, ...]:
-    """The default attention-width buckets: powers of four from ``lo`` up to ``switch``, then
-    powers of two, then ``hi``. Short contexts keep few compilations; at long context, where a
-    step's cost grows with its width, padding wastes at most 2x (12 buckets for 1M).
-
-    >>> kv_ladder(96), kv_ladder(4096), len(kv_ladder(1 << 20))
-    ((64, 96), (64, 256, 1024, 4096), 12)
-    >>> kv_ladder(40000)
-    (64, 256, 1024, 4096, 8192, 16384, 32768, 40000)
-    """
-    out = []
-    while lo < hi:
-        out.append(lo)
-        lo *= 4 if lo < switch else 2
-    return (*out, hi)
-
-
-def bucket(n: int, buckets: Sequence[int], what: str) -> int:
-    """The smallest bucket that holds ``n``; ``ValueError`` naming ``what`` if none does.
-
-    >>> bucket(17, (16, 64), "tokens in a step")
-    64
-    """
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request's host-side state.
-
-    ``computed`` counts its tokens whose KV / state is in the pools; ``output`` its generated
-    tokens; ``finish_reason`` is ``"stop"`` (a stop token, which is kept), ``"length"``
-    (``max_new_tokens``) or ``"abort"`` once it has finished. With a prefix cache:
-    ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
-    restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
-    ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
-    first positions as the engine wrote them (``read_slots`` serves them without a device
-    read).
-
-    >>> r = Request(rid=3, prompt=[1, 2], max_new_tokens=4)
-    >>> r.need, r.finished, r.tokens
-    (5, False, [1, 2])
-    """
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: frozenset = frozenset()
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    output: list[int] = dataclasses.field(default_factory=list)
-    row: int = 0
-    computed: int = 0
-    finish_reason: str | None = None
-    # prefix cache
-    borrowed: int = 0
-    start: int = 0
-    restore: int = 0
-    node: Any = None
-    planned: dict = dataclasses.field(default_factory=dict)
-    taken: dict = dataclasses.field(default_factory=dict)
-    finish_slot: int = 0
-    inserted: bool = False
-    prompt_slots: list = dataclasses.field(default_factory=list)
-    keep_from: int | None = None
-    end_depth: int = 0  # tokens that ran, once finished and inserted
-    row_slots: list = dataclasses.field(default_factory=list)  # the row's slots, host copy
-    owned: int = 0
-    shard: int = 0  # the data shard it runs on (``ShardedScheduler``; 0 on one device)
-
-    @property
-    def need(self) -> int:
-        """Token slots over the request's whole life (the last sampled token never runs)."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt and generated tokens so far."""
-        return self.prompt + self.output
-
-    def token_at(self, i: int) -> int:
-        """``tokens[i]`` without building ``tokens`` (a copy of the whole context: 0.3 ms
-        a decode step at 64k).
-
-        >>> Request(rid=0, prompt=[1, 2], max_new_tokens=4, output=[7]).token_at(2)
-        7
-        """
-        n = len(self.prompt)
-        return self.prompt[i] if i < n else self.output[i - n]
-
-    @property
-    def finished(self) -> bool:
-        """Whether the request has ended (stop token, length or abort)."""
-        return self.finish_reason is not None
-
-    @property
-    def prefilling(self) -> bool:
-        """Whether prompt tokens are left to run."""
-        return self.computed < len(self.prompt)
-
-
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """A request ``admit_next`` chose: its row borrows the cache's token slots ``slots`` (the
-    first ``len(slots)`` positions) and has ``computed`` tokens' states (a snapshot of that
-    depth is restored by its first step).
-
-    >>> Admission(Request(0, [1, 2], 1), slots=(7, 9), computed=1).borrowed
-    2
-    """
-
-    req: Request
-    slots: tuple[int, ...] = ()
-    computed: int = 0
-
-    @property
-    def borrowed(self) -> int:
-        """Positions the row borrows from the cache."""
-        return len(self.slots)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FreeSlots:
-    """Device op: free these token slots (the prefix cache evicted them).
-
-    >>> FreeSlots((4, 5)).slots
-    (4, 5)
-    """
-
-    slots: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Borrow:
-    """Device op: ``req``'s row borrows the cache's ``slots`` for its first ``len(slots)``
-    positions (``serving.borrow_prefix``; the row's own duplicates there are freed).
-
-    >>> Borrow(Request(0, [1], 1), (3,)).slots
-    (3,)
-    """
-
-    req: Request
-    slots: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Release:
-    """Device op: release the finished ``reqs`` (``serving.release``), each keeping positions
-    from ``req.keep_from`` on for the cache and snapshotting its end into
-    ``req.finish_slot`` when ``req.end_depth`` is set.
-
-    >>> Release((Request(0, [1], 1),)).reqs[0].rid
-    0
-    """
-
-    reqs: tuple[Request, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """One step's work: ``work`` lists ``(request, tokens to run)``; ``buckets`` is the padded
-    shape ``(B, T, W, Q)`` (requests, tokens, attention width, longest extend). With a prefix
-    cache, ``restores[i]`` and ``snapshots[i]`` are work item ``i``'s snapshot to restore and
-    ``(depth, slot)`` snapshots to take, and ``num_snapshots`` the bucket ``M`` of snapshot
-    entries (None without a cache, and in DECODE steps). ``ahead[i]`` (overlapped
-    scheduling; empty: none) counts the tokens request ``i`` runs in a step still on the
-    device, which the host has not committed yet: this step runs it from position
-    ``computed + ahead[i]`` on, its token coming from that step's output.
-
-    >>> plan = StepPlan(ForwardMode.DECODE, ((Request(0, [1], 2, row=1, computed=1), [7]),),
-    ...                 (1, 1, 64, 1))
-    >>> plan.items()[0].req_index, plan.items()[0].token_ids, plan.num_tokens
-    (1, [7], 1)
-    """
-
-    mode: ForwardMode
-    work: tuple[tuple[Request, list[int]], ...]
-    buckets: tuple[int, int, int, int]
-    restores: tuple[int, ...] = ()
-    snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()
-    num_snapshots: int | tuple[int, int] | None = None
-    ahead: tuple[int, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step runs (padding excluded)."""
-        return sum(len(t) for _, t in self.work)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens the step runs (decode tokens riding along excluded)."""
-        return sum(len(t) for r, t in self.work if r.prefilling)
-
-    def items(self) -> list[WorkItem]:
-        """The work as ``WorkItem``s for ``make_worker_batch``."""
-        out = []
-        for i, (r, toks) in enumerate(self.work):
-            restore = self.restores[i] if self.restores else 0
-            snaps = self.snapshots[i] if self.snapshots else ()
-            at = r.computed + (self.ahead[i] if self.ahead else 0)
-            out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps))
-        return out
+__all__ = ["Scheduler", "ShardedScheduler"]
 
 
 class Scheduler:
@@ -342,16 +123,36 @@ class Scheduler:
         self.releasing: list[Request] = []  # finished, rows and slots not given back yet
         self.reserved = 0  # token slots reserved by running and releasing requests
         self.device_ops: deque = deque()  # FreeSlots / Borrow / Release, in order
-        self.tree: RadixCache | None = None
-        self.snapshot_slots: SnapshotSlots | None = None
+        self.cache: PrefixCache | None = None
         if num_snapshot_slots:
-            self.tree = RadixCache(states=True)
-            self.snapshot_slots = SnapshotSlots(num_snapshot_slots)
+            self.cache = PrefixCache(num_snapshot_slots=num_snapshot_slots,
+                                     snapshot_interval=snapshot_interval,
+                                     device_ops=self.device_ops)
         self.snapshot_interval = snapshot_interval
         self.snapshot_buckets = tuple(snapshot_buckets)
         self.chunk_size = chunk_size
-        # counters the engine reports
-        self.snapshots_taken = self.state_evictions = self.token_evictions = 0
+
+    @property
+    def tree(self):
+        """The prefix cache's radix tree (None without a cache)."""
+        return None if self.cache is None else self.cache.tree
+
+    @property
+    def snapshot_slots(self):
+        """The prefix cache's snapshot slots (None without a cache)."""
+        return None if self.cache is None else self.cache.snapshot_slots
+
+    def counters(self) -> tuple[int, int, int]:
+        """``(snapshots_taken, state_evictions, token_evictions)`` of the prefix cache."""
+        c = self.cache
+        return (0, 0, 0) if c is None else (c.snapshots_taken, c.state_evictions,
+                                            c.token_evictions)
+
+    def reset_counters(self) -> None:
+        """Zero the prefix cache's counters."""
+        if self.cache is not None:
+            c = self.cache
+            c.snapshots_taken = c.state_evictions = c.token_evictions = 0
 
     @property
     def num_running(self) -> int:
@@ -371,7 +172,7 @@ class Scheduler:
     @property
     def cached_size(self) -> int:
         """Token slots the prefix cache holds."""
-        return self.tree.total_size if self.tree is not None else 0
+        return self.cache.size if self.cache is not None else 0
 
     def add(self, req: Request) -> None:
         """Queue ``req`` (validated by the caller) at the back."""
@@ -387,78 +188,22 @@ class Scheduler:
         if not self.waiting or self.rows_held >= self.max_running_requests:
             return None
         req = self.waiting[0]
-        if self.tree is None:
+        if self.cache is None:
             if self.reserved + req.need > self.capacity:
                 return None
             req.owned = req.need
             return Admission(req)
-        if self._defer(req):
+        got = self.cache.admit(req, self.running, self.capacity - self.reserved)
+        if got is None:
             return None
-        tree, L = self.tree, len(req.prompt)
-        kv = tree.match_prefix(req.prompt)
-        st = tree.match_prefix(req.prompt[:-1]).state_node  # logits need the last token run
-        tree.lock(kv.node)
-        P, S = len(kv.slots), st.depth
-        need = L - P + req.max_new_tokens - 1
-        short = tree.total_size + self.reserved + need - self.capacity
-        if short > tree.evictable_size:  # even an empty cache would not make room: wait for
-            tree.unlock(kv.node)          # running requests, and keep the cache as it is
-            return None
-        if short > 0:
-            self._evicted(tree.evict(short))
-        points = snapshot_points(L, P, S, self.snapshot_interval)
-        # The end of the request, one before the end of the prompt and the branch point may
-        # evict older states for their slots (they serve the next turn, a repeat, a sibling);
-        # grid points take free slots only, the deepest first.
-        key = [p for p in dict.fromkeys((L - 1, P)) if p in points]  # P may be L - 1
-        slots = self._take_snapshot_slots(len(key) + 1)
-        req.finish_slot = slots.pop(0) if slots else 0
-        grid = sorted((p for p in points if p not in key), reverse=True)
-        slots += self.snapshot_slots.take(len(grid))
-        req.planned = dict(zip(key + grid, slots, strict=False))
-        req.node, req.borrowed, req.start = kv.node, P, S
-        req.restore = st.state if st.state is not None else 0
-        req.owned = need
-        return Admission(req, tuple(kv.slots), S)
-
-    def _defer(self, req: Request) -> bool:
-        """Wait while a prompt still prefilling will put a snapshot (planned, not taken yet)
-        on the part it shares with this prompt, deeper than what the tree gives now; taken
-        snapshots go into the tree after each chunk."""
-        have = self.tree.match_prefix(req.prompt[:-1]).state_node.depth
-        for r in self.running:
-            if not r.planned:
-                continue
-            n, limit = 0, min(len(req.prompt) - 1, len(r.prompt) - 1)
-            while n < limit and req.prompt[n] == r.prompt[n]:
-                n += 1
-            if any(have < d <= n for d in r.planned):
-                return True
-        return False
-
-    def _take_snapshot_slots(self, n: int) -> list[int]:
-        slots = self.snapshot_slots.take(n)
-        if len(slots) < n:
-            self._evicted(self.tree.evict_states(n - len(slots)), states=True)
-            slots += self.snapshot_slots.take(n - len(slots))
-        return slots
-
-    def _evicted(self, freed, states: bool = False) -> None:
-        """Give what the tree evicted back: token slots through the device queue, snapshot
-        slots to the free list."""
-        if freed.slots:
-            self.device_ops.append(FreeSlots(tuple(freed.slots)))
-            self.token_evictions += len(freed.slots)
-        if freed.states:
-            self.snapshot_slots.give(freed.states)
-            self.state_evictions += len(freed.states)
+        slots, computed = got
+        return Admission(req, slots, computed)
 
     def reset_cache(self) -> None:
         """Evict every cached prefix and snapshot no running request holds (the token slots
         are freed through ``device_ops``)."""
-        if self.tree is not None:
-            self._evicted(self.tree.evict_states(self.tree.num_states))
-            self._evicted(self.tree.evict(self.tree.total_size))
+        if self.cache is not None:
+            self.cache.reset()
 
     def admitted(self, adm: Admission, row: int) -> None:
         """Commit the admission ``adm`` (the front of the queue) into ``row``."""
@@ -474,19 +219,9 @@ class Scheduler:
         """Undo ``admit_next`` (the engine could not set up the row): the request stays at the
         front of the queue; its lock and snapshot slots are given back."""
         req = adm.req
-        if req.node is not None:
-            self.tree.unlock(req.node)
-        self._give_snapshots(req)
-        req.node, req.borrowed, req.start, req.restore, req.owned = None, 0, 0, 0, 0
-
-    def _give_snapshots(self, req: Request) -> None:
-        slots = [*req.planned.values(), *req.taken.values()]
-        if req.finish_slot and not req.end_depth:
-            slots.append(req.finish_slot)
-            req.finish_slot = 0
-        if slots:
-            self.snapshot_slots.give(slots)
-        req.planned, req.taken = {}, {}
+        if self.cache is not None:
+            self.cache.cancel(req)
+        req.owned = 0
 
     # ----------------------------------------------------------------------- steps ----
 
@@ -517,7 +252,7 @@ class Scheduler:
         if not prefilling:
             B = bucket(len(work), self.request_buckets, "requests in a step")
             W = bucket(max(at[r] + 1 for r in decoding), self.kv_buckets, "context length")
-            return done(StepPlan(ForwardMode.DECODE, tuple(work), (B, B, W, 1)))
+            return done(StepPlan(Mode.DECODE, tuple(work), (B, B, W, 1)))
         budget = min(self.chunked_prefill_size, self.token_buckets[-1] - len(decoding))
         for r in prefilling:
             if budget <= 0:
@@ -529,8 +264,8 @@ class Scheduler:
         W = bucket(max(at[r] + len(t) for r, t in work), self.kv_buckets, "context length")
         T = bucket(sum(len(t) for _, t in work), self.token_buckets, "tokens in a step")
         Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
-        if self.tree is None:
-            return done(StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q)))
+        if self.cache is None:
+            return done(StepPlan(Mode.EXTEND, tuple(work), (B, T, W, Q)))
         restores = tuple(r.restore if at[r] == r.start and at[r] < len(r.prompt) else 0
                          for r, _ in work)
         snaps = tuple(tuple(sorted((d, s) for d, s in r.planned.items()
@@ -545,7 +280,7 @@ class Scheduler:
             windowed = sum(map(len, snaps)) - aligned
             M = tuple(bucket(n, self.snapshot_buckets, "snapshots in a step")
                       for n in (windowed, aligned))
-        return done(StepPlan(ForwardMode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps,
+        return done(StepPlan(Mode.EXTEND, tuple(work), (B, T, W, Q), restores, snaps,
                              M))
 
     def commit(self, plan: StepPlan, tokens: Sequence[int],
@@ -558,8 +293,8 @@ class Scheduler:
         gives the token slots of the first ``n`` positions of ``req``'s row (the engine
         reads them off the device) for what goes into the tree; every read happens before
         anything is recorded, so a read that fails leaves the scheduler as it was."""
-        if self.tree is not None:
-            read_slots = self._read_ahead(plan, tokens, read_slots)
+        if self.cache is not None:
+            read_slots = self.cache.read_ahead(plan, tokens, read_slots)
         events, done = [], []
         for i, ((r, toks), tok) in enumerate(zip(plan.work, tokens, strict=False)):
             was_prefilling = r.prefilling
@@ -567,8 +302,8 @@ class Scheduler:
             if plan.snapshots:
                 for d, s in plan.snapshots[i]:
                     r.taken[d] = r.planned.pop(d, s)
-            if was_prefilling and self.tree is not None and (r.taken or not r.prefilling):
-                self._insert_prompt(r, read_slots)
+            if was_prefilling and self.cache is not None and (r.taken or not r.prefilling):
+                self.reserved -= self.cache.insert_prompt(r, read_slots)
             if r.prefilling or r.finished:
                 continue
             tok = int(tok)
@@ -581,71 +316,10 @@ class Scheduler:
             if r.finished:
                 done.append(r)
         for r in done:
-            if self.tree is not None and r.inserted:
-                self._insert_answer(r, read_slots)
+            if self.cache is not None and r.inserted:
+                self.cache.insert_answer(r, read_slots)
         self._retire(done)
         return events, done
-
-    def _read_ahead(self, plan: StepPlan, tokens: Sequence[int], read_slots):
-        """The row slots ``commit`` will need (requests whose prompt goes into the tree now,
-        and requests that finish), read up front; returns a reader of that copy."""
-        rows = {}
-        for i, ((r, toks), tok) in enumerate(zip(plan.work, tokens, strict=False)):
-            after = r.computed + len(toks)
-            took = bool(plan.snapshots and plan.snapshots[i])
-            inserts = r.prefilling and (took or after >= len(r.prompt))
-            samples = after >= len(r.prompt) and not r.finished
-            finishes = samples and (int(tok) in r.stop_token_ids
-                                    or len(r.output) + 1 >= r.max_new_tokens)
-            if inserts or finishes:
-                rows[r.rid] = list(read_slots(r, after))
-        return lambda r, n: rows[r.rid][:n]
-
-    def _insert_prompt(self, r: Request, read_slots) -> None:
-        """The prompt tokens computed so far go into the tree with the snapshots taken on
-        them (after a chunk that took snapshots, so requests waiting for them can start, and
-        once the whole prompt is in), and the row borrows them from then on (a device op
-        frees the row's duplicates)."""
-        tree, n = self.tree, r.computed
-        if n < r.borrowed:
-            # A chunk that ended inside the KV the row borrows (recomputed from a shallower
-            # snapshot, e.g. after the deeper states were evicted): those tokens are in the
-            # tree already and the row keeps borrowing (and locking) all of them; only the
-            # states it took are new. Shrinking the borrow here would hand the tree's slots
-            # past n to the row, which would free them at its release.
-            self._add_taken_states(r)
-            return
-        tokens = r.prompt[:n]
-        tree.insert(tokens, list(read_slots(r, n)))
-        m = tree.match_prefix(tokens)
-        tree.lock(m.node)
-        tree.unlock(r.node)
-        r.node, r.prompt_slots = m.node, list(m.slots)
-        r.inserted = not r.prefilling
-        self._add_taken_states(r)
-        self.device_ops.append(Borrow(r, tuple(r.prompt_slots)))
-        self.reserved -= n - r.borrowed
-        r.owned -= n - r.borrowed
-        r.borrowed = n
-
-    def _add_taken_states(self, r: Request) -> None:
-        """The snapshots ``r`` took go into the tree, at depths its prompt path reaches."""
-        for d, s in sorted(r.taken.items()):
-            if self.tree.add_state(r.prompt[:d], s):
-                self.snapshots_taken += 1
-            else:  # a concurrent request put a state there first
-                self.snapshot_slots.give([s])
-        r.taken = {}
-
-    def _insert_answer(self, r: Request, read_slots) -> None:
-        """A finished request: prompt and the answer tokens that ran go into the tree, the row
-        hands the answer's new slots over (``keep_from``), and its release snapshots the end."""
-        L, F = len(r.prompt), len(r.prompt) + len(r.output) - 1
-        ran = r.tokens[:F]
-        slots = r.prompt_slots + list(read_slots(r, F))[L:]
-        r.keep_from = self.tree.insert(ran, slots)
-        if r.finish_slot:
-            r.end_depth = F
 
     def abort(self, rid: int) -> Request | None:
         """End request ``rid``: a waiting one leaves the queue; a running one finishes
@@ -669,11 +343,8 @@ class Scheduler:
         for r in done:
             self.running.remove(r)
             self.releasing.append(r)
-            if r.node is not None:
-                self.tree.unlock(r.node)
-                r.node = None
-            if self.snapshot_slots is not None:
-                self._give_snapshots(r)
+            if self.cache is not None:
+                self.cache.retire(r)
         self.device_ops.append(Release(tuple(done)))
 
     # --------------------------------------------------------------- device ops ----
@@ -693,56 +364,9 @@ class Scheduler:
             self.releasing.remove(r)
             self.reserved -= r.owned
             r.owned = 0
-            if r.end_depth:
-                if self.tree.add_state(r.tokens[: r.end_depth], r.finish_slot):
-                    self.snapshots_taken += 1
-                else:  # the tree has a state there already, or evicted that path
-                    self.snapshot_slots.give([r.finish_slot])
-                r.finish_slot, r.end_depth = 0, 0
+            if self.cache is not None:
+                self.cache.released(r)
 
-
-# --------------------------------------------------------------------------------------------
-# data shards
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedPlan:
-    """One step of a sharded engine: ``plans[k]`` is data shard ``k``'s ``StepPlan`` (None: the
-    shard runs padding only), all run in one batch of ``mode`` and ``buckets`` (the shards'
-    batches must share their shapes). A shard whose own plan is a ``DECODE`` step runs its
-    decodes as one-token extends when another shard prefills.
-
-    >>> r = Request(0, [1], 2, row=1, computed=1)
-    >>> p = ShardedPlan(ForwardMode.DECODE, (StepPlan(ForwardMode.DECODE, ((r, [7]),),
-    ...                 (1, 1, 64, 1)), None), (1, 1, 64, 1))
-    >>> [len(items) for items in p.items()], p.num_tokens
-    ([1, 0], 1)
-    """
-
-    mode: ForwardMode
-    plans: tuple[StepPlan | None, ...]
-    buckets: tuple[int, int, int, int]
-    num_snapshots: None = None  # no prefix cache under a mesh
-
-    @property
-    def work(self) -> tuple[tuple[Request, list[int]], ...]:
-        """Every shard's work, shard by shard."""
-        return tuple(w for p in self.plans if p is not None for w in p.work)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step runs on all shards (padding excluded)."""
-        return sum(p.num_tokens for p in self.plans if p is not None)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens the step runs on all shards."""
-        return sum(p.prompt_tokens for p in self.plans if p is not None)
-
-    def items(self) -> list[list[WorkItem]]:
-        """Each shard's work as ``WorkItem``s (local rows), for ``ShardedStep.make_batch``."""
-        return [[] if p is None else p.items() for p in self.plans]
 
 
 class ShardedScheduler:
@@ -766,7 +390,7 @@ class ShardedScheduler:
     >>> [(r.rid, r.shard) for r in sched.running], sched.num_waiting  # one row per shard
     ([(0, 0), (1, 1)], 1)
     >>> plan = sched.plan()
-    >>> plan.mode.name, plan.buckets, [[i.token_ids for i in it] for it in plan.items()]
+    >>> plan.mode.name, plan.buckets, [[t for _, t in p.work] for p in plan.plans]
     ('EXTEND', (1, 4, 8, 4), [[[1, 2, 3]], [[4, 5]]])
     >>> sched.commit(plan, [[9], [8]])[0]  # each prompt's first token
     [(0, 9, False), (1, 8, False)]
@@ -789,7 +413,6 @@ class ShardedScheduler:
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
         self.tree = None  # no prefix cache under a mesh
-        self.snapshots_taken = self.state_evictions = self.token_evictions = 0
 
     @property
     def running(self) -> list[Request]:
@@ -861,6 +484,13 @@ class ShardedScheduler:
     def reset_cache(self) -> None:
         """Nothing to forget: no prefix cache."""
 
+    def counters(self) -> tuple[int, int, int]:
+        """No prefix cache, no snapshots or evictions."""
+        return 0, 0, 0
+
+    def reset_counters(self) -> None:
+        """Nothing to zero: no prefix cache."""
+
     def plan(self) -> ShardedPlan | None:
         """Every shard's next step, in one batch shape, or None when nothing is running.
         ``EXTEND`` if any shard prefills (the others' decodes ride along as one-token
@@ -872,11 +502,11 @@ class ShardedScheduler:
         work = [w for p in live for w in p.work]
         B = bucket(max(len(p.work) for p in live), self.request_buckets, "requests in a step")
         W = bucket(max(r.computed + len(t) for r, t in work), self.kv_buckets, "context length")
-        if all(p.mode == ForwardMode.DECODE for p in live):
-            return ShardedPlan(ForwardMode.DECODE, plans, (B, B, W, 1))
+        if all(p.mode == Mode.DECODE for p in live):
+            return ShardedPlan(Mode.DECODE, plans, (B, B, W, 1))
         T = bucket(max(p.num_tokens for p in live), self.token_buckets, "tokens in a step")
         Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
-        return ShardedPlan(ForwardMode.EXTEND, plans, (B, T, W, Q))
+        return ShardedPlan(Mode.EXTEND, plans, (B, T, W, Q))
 
     def commit(self, plan: ShardedPlan, tokens: Sequence[Sequence[int]], read_slots=None,
                ) -> tuple[list[tuple[int, int, bool]], list[Request]]:

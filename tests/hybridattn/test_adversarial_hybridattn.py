@@ -24,11 +24,11 @@ from harness import CFG, ENGINE, PARAMS, STEP, decode_batch, engine, prefilled, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridattn import engine as E
 from hybridattn import serving as S
 from hybridattn import testing
 from hybridattn.backends import ForwardMode
 from hybridattn.engine import Engine
+from hybridattn.engine import runner as E
 from hybridattn.models import kimi_linear as M
 
 # A fixed pool of requests the programs draw from: (prompt, max_new_tokens, sampling).
@@ -62,8 +62,8 @@ def alone(spec: int, n: int | None = None, seed: int | None = None) -> tuple[int
 
 
 def stream_kw(specs, seed=0):
-    """``Engine.stream`` arguments for ``specs``: greedy specs only (a stream gives prompt
-    ``i`` the seed ``seed + i``, so sampled specs go through ``add_request``)."""
+    """``Engine.stream`` arguments for ``specs``: greedy specs only (a stream gives every
+    prompt one seed, so sampled specs go through ``add_request``)."""
     assert all(not SPECS[i][2] for i in specs)
     return [SPECS[i][0] for i in specs], max(SPECS[i][1] for i in specs)
 
@@ -85,7 +85,7 @@ def assert_idle_and_whole(eng: Engine) -> None:
     assert int(st_.req_to_token_pool.state_allocator.num_free) == (
         st_.req_to_token_pool.state_allocator.capacity)
     assert not bool(st_.token_allocator.in_use.any())
-    assert not eng._sinks
+    assert not eng.streams._owner
 
 
 def alone_all(spec_ids, n) -> list[list[int]]:
@@ -312,7 +312,7 @@ def python_sigint():
 def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypatch,
                                                                         python_sigint):
     eng = engine()
-    real, fired = eng._jit.step, []  # the engine's own jitted step
+    real, fired = eng.core.runner.jit.step, []  # the engine's own jitted step
 
     def step_then_ctrl_c(*args):
         out = real(*args)
@@ -325,10 +325,10 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
     got = {r: [] for r in rids}
     for r, tok, _ in eng.step():  # admission and the prompts, uninterrupted
         got[r].append(tok)
-    monkeypatch.setattr(eng._jit, "step", step_then_ctrl_c)
+    monkeypatch.setattr(eng.core.runner.jit, "step", step_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         eng.step()
-    monkeypatch.setattr(eng._jit, "step", real)
+    monkeypatch.setattr(eng.core.runner.jit, "step", real)
     for _ in range(STEP_BOUND):  # the interrupted round's tokens come with the next step
         for r, tok, _ in eng.step():
             got[r].append(tok)
@@ -343,7 +343,8 @@ def test_a_keyboard_interrupt_mid_round_is_held_until_the_round_commits(monkeypa
 def test_an_exception_inside_a_round_leaves_the_engine_consistent(monkeypatch, where):
     eng = engine()
     # make_worker_batch is the module's; the jitted functions are the engine's own
-    owner, name = (E, where) if where == "make_worker_batch" else (eng._jit, where[1:])
+    jit = eng.core.runner.jit
+    owner, name = (E, where) if where == "make_worker_batch" else (jit, where[1:])
     real, raised = getattr(owner, name), []
 
     def fail_once(*args, **kwargs):
@@ -469,13 +470,13 @@ def test_make_worker_batch_checks_the_same_on_the_host():
     (dict(stop_token_ids=[2.0]), "stop_token_ids"),
     (dict(stop_token_ids="2"), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids: token 0 is True"),
-    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(max_tokens=2.0), "max_tokens"),
 ])
 def test_add_request_refuses_values_the_device_cannot_hold(kwargs, match):
     eng = engine()
-    kw = dict(max_new_tokens=3) | kwargs
+    kw = dict(max_tokens=3) | kwargs
     with pytest.raises((ValueError, TypeError), match=match):
-        eng.add_request([1, 2], kw.pop("max_new_tokens"), **kw)
+        eng.add_request([1, 2], kw.pop("max_tokens"), **kw)
     assert not eng.has_unfinished()
     for bad, match in (([1, 2.5], "token 1 is 2.5|prompt"), (["a"], "token 0 is 'a'|prompt"),
                        ([[1, 2]], "token 0 is|prompt"), ([True], "token 0 is True")):

@@ -15,8 +15,8 @@ from hybridattn.engine import (
     MemoryReport,
     default_max_running_requests,
 )
+from hybridattn.engine.buckets import kv_ladder
 from hybridattn.models.kimi_linear import apply
-from hybridattn.scheduler import kv_ladder
 
 M1 = 1 << 20
 
@@ -45,13 +45,13 @@ def test_a_1m_context_engine_over_a_small_pool_allocates_one_row_and_serves_shor
 
 def test_a_prompt_that_cannot_fit_names_its_length_the_context_and_the_token_slots(
         long_engine):
-    with pytest.raises(ValueError, match=r"prompt 0 of 5000 tokens \+ max_new_tokens=2 needs "
+    with pytest.raises(ValueError, match=r"prompt 0 of 5000 tokens \+ max_tokens=2 needs "
                        r"a context of 5001 tokens, more than the token pool holds: this engine "
                        r"has max_context_len=1048576 and 4096 token slots"):
         long_engine.generate([[1] * 5000], 2)
     short = Engine(CFG, PARAMS, max_running_requests=2, max_context_len=64, num_token_slots=129,
                    chunked_prefill_size=64, token_buckets=(16, 80))
-    with pytest.raises(ValueError, match=r"of 60 tokens \+ max_new_tokens=8 needs a context of "
+    with pytest.raises(ValueError, match=r"of 60 tokens \+ max_tokens=8 needs a context of "
                        r"67 tokens, more than max_context_len holds: this engine has "
                        r"max_context_len=64 and 128 token slots"):
         short.add_request([1] * 60, 8)

@@ -16,7 +16,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridattn.scheduler import Borrow, FreeSlots, Release, Request, Scheduler, ladder
+from hybridattn.backend import ForwardMode
+from hybridattn.engine.buckets import ladder
+from hybridattn.engine.plan import Borrow, FreeSlots, Release, Request
+from hybridattn.engine.runner import work_items
+from hybridattn.engine.scheduler import Scheduler
 from hybridattn.serving import make_worker_batch
 from hybridattn.testing import RefReqToTokenPool, RefServingPools, RefSlotAllocator
 from servecore.sampling import SamplingParams
@@ -73,8 +77,8 @@ class SchedulerAgainstRefPools(RuleBasedStateMachine):
             assert not self.sched.running
             return
         B, T, W, Q = plan.buckets
-        batch = make_worker_batch(plan.items(), vocab_size=V, max_context_len=L,
-                                  forward_mode=plan.mode, num_requests=B, num_tokens=T,
+        batch = make_worker_batch(work_items(plan), vocab_size=V, max_context_len=L,
+                                  forward_mode=ForwardMode(plan.mode), num_requests=B, num_tokens=T,
                                   kv_width=W, max_extend_len=Q, num_snapshots=plan.num_snapshots,
                                   snapshot_chunk=self.sched.chunk_size)
         assert self.ref.apply(batch), "the scheduler built a batch that step refuses"

@@ -138,7 +138,7 @@ def test_decode_flops_bound_xlas_count_of_the_engines_step():
     far above it: what it adds is element-wise work (norms, activations, the sampler)."""
     from hybridattn.backends import ForwardMode
     from hybridattn.engine import Engine
-    from hybridattn.scheduler import bucket
+    from hybridattn.engine.buckets import bucket
     from hybridattn.serving import WorkItem, make_worker_batch
 
     e = Engine(_CFG, M.init_params(_CFG, jax.random.key(0)), max_running_requests=1,
@@ -148,7 +148,7 @@ def test_decode_flops_bound_xlas_count_of_the_engines_step():
         [WorkItem(1, 1, [1])], vocab_size=_CFG.vocab_size, max_context_len=e.max_context_len,
         forward_mode=ForwardMode.DECODE, num_requests=1, num_tokens=1, kv_width=W,
         max_extend_len=1, snapshot_chunk=e.scheduler.chunk_size)
-    cost = e._jit.step.trace(e.params, e.state, batch).lower().compile().cost_analysis()
+    cost = e.core.runner.jit.step.trace(e.params, e.state, batch).lower().compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     least = A.decode_flops_per_step(_CFG, batch_size=1, context_len=W)["total"]
     assert least <= cost["flops"] <= 1.3 * least

@@ -75,7 +75,7 @@ def test_engine_greedy_equals_mlx_lm(mlx_greedy, loaded, chunked_prefill_size):
     # shorter than, equal to and longer than one KDA chunk (32), and longer than two
     prompts = prompts_of([5, 32, 45, 70])
     eng = Engine(CFG, loaded, **{**ENGINE, "chunked_prefill_size": chunked_prefill_size})
-    got = eng.generate(prompts, max_new_tokens=6)
+    got = eng.generate(prompts, max_tokens=6)
     assert got == [mlx_greedy(p, 6) for p in prompts]
 
 
@@ -83,7 +83,7 @@ def test_engine_greedy_equals_mlx_lm(mlx_greedy, loaded, chunked_prefill_size):
 def test_engine_many_concurrent_requests_equal_mlx_lm(mlx_greedy, loaded):
     prompts = prompts_of(np.random.default_rng(1).integers(1, 40, 12), seed=1)
     eng = Engine(CFG, loaded, **ENGINE)
-    got = eng.generate(prompts, max_new_tokens=5)
+    got = eng.generate(prompts, max_tokens=5)
     assert got == [mlx_greedy(p, 5) for p in prompts]
     assert eng.num_running == 0 and eng.num_waiting == 0
     assert_whole(eng)  # every slot came back
@@ -111,7 +111,7 @@ def test_stop_token_ends_a_request_and_frees_its_slots():
 
 
 def test_pool_sizes_from_the_memory_budget(monkeypatch):
-    import hybridattn.engine as E
+    import hybridattn.engine.sizing as E
 
     monkeypatch.setattr(E, "available_memory_bytes", lambda: 1 << 34)
     eng = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=64)
@@ -220,8 +220,8 @@ def test_abort_inside_a_stream_drops_the_tokens_of_a_multi_step_run():
 
 def _count_follows(eng: Engine) -> list:
     """Record, on ``eng``, every round that dispatched a step before committing the run in
-    flight: ``(plan, follow)`` as ``Engine._continuation`` found them."""
-    found, real = [], eng._continuation
+    flight: ``(plan, follow)`` as ``Core._continuation`` found them."""
+    found, real = [], eng.core._continuation
 
     def spy():
         plan = real()
@@ -229,7 +229,7 @@ def _count_follows(eng: Engine) -> list:
             found.append(plan)
         return plan
 
-    eng._continuation = spy
+    eng.core._continuation = spy
     return found
 
 
@@ -285,7 +285,7 @@ def test_follow_feeds_rows_from_the_run_in_flight_and_drops_the_stopped(stopped)
     """``_follow`` against the batch the host would pack knowing the tokens: decode rows 0
     and 1 take the run in flight's samples, prompt chunks keep theirs; a fed row whose token
     is a stop id is padding and the tokens after it move up."""
-    from hybridattn.engine import _follow
+    from hybridattn.engine.runner import _follow
 
     prev = jnp.array([[40, 41, 42], [43, -1, 44]])  # a 2-step run: [N, B'] (row 1 stopped)
     sampled = {0: 44, 1: 40}  # decode row 0 <- column 2, row 1 <- column 0 (step 0)
@@ -316,10 +316,10 @@ def test_abort_of_a_request_whose_run_is_in_flight():
     prompts = prompts_of([9, 14], seed=23)
     rids = [eng.add_request(p, 12) for p in prompts]
     got = {r: [] for r in rids}
-    while eng._inflight is None or len(got[rids[0]]) < 2:
+    while eng.core.runner.inflight is None or len(got[rids[0]]) < 2:
         for r, tok, _ in eng.step():
             got[r].append(tok)
-    assert any(r is not None and r.rid == rids[0] for r, _ in eng._inflight.plan.work)
+    assert any(r is not None and r.rid == rids[0] for r, _ in eng.core.runner.inflight.plan.work)
     assert eng.abort(rids[0])
     cut = len(got[rids[0]])
     while eng.has_unfinished():
@@ -347,7 +347,7 @@ def test_compilations_bounded_over_200_steps():
     # ... plus, once each, the row admission and prefix borrowing (per kv bucket: one here),
     # the release, the frees of evicted slots (one per power of 2 of slots freed) and the
     # overlapped rounds' _follow (per step bucket and bucket of the run it follows)
-    follows = sum(key[0] is eng._jit.follow for key in eng._jit._seen)
+    follows = sum(key[0] is eng.core.runner.jit.follow for key in eng.core.runner.jit._seen)
     assert 0 < follows <= len(eng.stats.buckets) ** 2
     helpers = eng.stats.num_compilations - len(compiled) - follows
     assert 0 < helpers <= 3 * len(eng.kv_buckets) + eng.capacity.bit_length() + 1
@@ -371,8 +371,8 @@ def test_compilations_bounded_over_200_steps():
         ([1, 2, CFG.vocab_size], {}, "256, outside the vocabulary"),
         ([1, -3], {}, "-3, outside the vocabulary"),
         ([], {}, "prompt is empty"),
-        ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0"),
-        (list(range(90)), dict(max_new_tokens=10), "max_context_len=96"),
+        ([1, 2], dict(max_tokens=0), "max_tokens=0"),
+        (list(range(90)), dict(max_tokens=10), "max_context_len=96"),
         ([1], dict(top_p=0.0), "top_p=0.0"),
         ([1], dict(temperature=-1.0), "temperature=-1.0"),
     ],
@@ -386,9 +386,9 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(prompt, kwargs, match):
     for r, tok, _ in eng.step():  # the good requests are running
         outs[r].append(tok)
     assert eng.num_running == 2
-    kw = dict(max_new_tokens=4) | kwargs
+    kw = dict(max_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
-        eng.add_request(prompt, kw.pop("max_new_tokens"), **kw)
+        eng.add_request(prompt, kw.pop("max_tokens"), **kw)
     while eng.has_unfinished():
         for r, tok, _ in eng.step():
             outs[r].append(tok)
@@ -694,15 +694,15 @@ def test_engine_defaults_and_bucket_checks():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_k=2.5), r"top_k\W+2\.5"), (dict(seed=1.5), r"seed\W+1\.5"),
-    (dict(max_new_tokens=True), "max_new_tokens=True"),
+    (dict(max_tokens=True), "max_tokens=True"),
     (dict(stop_token_ids=[CFG.vocab_size]), "stop_token_ids"),
 ])
 def test_add_request_rejects_loose_values(kwargs, match):
     # TypeError where the test suite's jaxtyping/beartype hook checks the annotations first
     eng = engine()
-    kw = dict(max_new_tokens=3) | kwargs
+    kw = dict(max_tokens=3) | kwargs
     with pytest.raises((ValueError, TypeError), match=match):
-        eng.add_request([1, 2], kw.pop("max_new_tokens"), **kw)
+        eng.add_request([1, 2], kw.pop("max_tokens"), **kw)
     with pytest.raises((ValueError, TypeError), match=r"ints|prompt"):
         eng.add_request([1.5, 2.0], 3)
     assert not eng.has_unfinished()
@@ -760,7 +760,8 @@ def test_one_request_steps_without_copying_the_state_pool(scan):
             [item], vocab_size=cfg.vocab_size, max_context_len=eng.max_context_len,
             forward_mode=mode, num_requests=1, num_tokens=tokens, kv_width=W,
             max_extend_len=tokens, num_snapshots=snaps, snapshot_chunk=eng.scheduler.chunk_size)
-        hlo = eng._jit.step.trace(eng.params, eng.state, batch).lower().compile().as_text()
+        step = eng.core.runner.jit.step
+        hlo = step.trace(eng.params, eng.state, batch).lower().compile().as_text()
         copies = [line.strip()[:120] for line in hlo.splitlines()
                   if " copy(" in line and any(f"= {s}" in line for s in shapes)]
         assert not copies, (mode, copies)

@@ -1,0 +1,152 @@
+"""The options of ``hybridattn.Engine``, checked in one place: ``EngineOptions``.
+
+Every option is a field of a frozen dataclass; ``resolved(config)`` checks each (a
+``ValueError`` names the option and its value) and fills the defaults that depend on the
+model, the context or the mesh. The ``Engine`` docstring says what each option does.
+
+>>> from hybridattn.config import KimiLinearConfig
+>>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+>>> opts = EngineOptions(max_context_len=1 << 20).resolved(cfg)
+>>> opts.max_running_requests, opts.chunked_prefill_size, opts.snapshot_interval
+(8, 2048, 256)
+>>> EngineOptions(mem_fraction=2.0).resolved(cfg)
+Traceback (most recent call last):
+...
+ValueError: mem_fraction=2.0 must be in (0, 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hybridattn import sharding
+from hybridattn.config import KimiLinearConfig
+from hybridattn.engine.sizing import default_chunked_prefill_size, default_max_running_requests
+from servecore.validate import check_int, check_real
+
+__all__ = ["EngineOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """``hybridattn.Engine``'s keyword options (its docstring has each one's meaning). None
+    means "the default", which ``resolved`` fills in.
+
+    >>> EngineOptions(decode_steps=8).decode_steps, EngineOptions().num_data_shards
+    (8, 1)
+    """
+
+    max_running_requests: int | None = None
+    max_context_len: int | None = None
+    num_token_slots: int | None = None
+    mem_fraction: float = 0.5
+    chunked_prefill_size: int | None = None
+    request_buckets: Sequence[int] | None = None
+    token_buckets: Sequence[int] | None = None
+    kv_buckets: Sequence[int] | None = None
+    snapshot_buckets: Sequence[int] | None = None
+    chunk_size: int = 32
+    dtype: Any = jnp.float32
+    seed: int = 0
+    prefix_cache: bool | None = None
+    snapshot_interval: int | None = None
+    num_snapshot_slots: int | None = None
+    decode_steps: int = 1
+    overlap: bool = True
+    scan_layers: bool = True
+    mesh: Any = None  # a jax.sharding.Mesh
+
+    @property
+    def num_data_shards(self) -> int:
+        """The mesh's data size (1 without a mesh)."""
+        return 1 if self.mesh is None else sharding.mesh_sizes(self.mesh)[0]
+
+    def resolved(self, config: KimiLinearConfig) -> EngineOptions:
+        """These options checked, with every default that depends on ``config``, the context
+        or the mesh filled in (``overlap`` is then whether the engine overlaps: never under a
+        mesh). ``ValueError`` names the first option that cannot work."""
+        L = self.max_context_len
+        if L is None:
+            L = min(config.model_max_length or 4096, 4096)
+        check_int("max_context_len", L, 1)
+        D = self._check_mesh(config)
+        prefix_cache = self.mesh is None if self.prefix_cache is None else self.prefix_cache
+        R = self.max_running_requests
+        if R is None:
+            R = default_max_running_requests(L)
+            R = max(D, R - R % D)
+        check_int("max_running_requests", R, 1)
+        chunked = self.chunked_prefill_size
+        if chunked is None:
+            chunked = default_chunked_prefill_size(L)
+        check_int("chunked_prefill_size", chunked, 1)
+        C = check_int("chunk_size", self.chunk_size, 1)
+        check_int("seed", self.seed, 0)
+        check_int("decode_steps", self.decode_steps, 1)
+        interval = self.snapshot_interval
+        if interval is None:
+            interval = max(1, round(256 / C)) * C
+        if check_int("snapshot_interval", interval, 1) % C:
+            raise ValueError(f"snapshot_interval={interval} must be a positive multiple "
+                             f"of chunk_size={C} (snapshots sit on the KDA chunk grid)")
+        if self.num_snapshot_slots is not None:
+            check_int("num_snapshot_slots", self.num_snapshot_slots, 0)
+        if self.num_token_slots is not None:
+            check_int("num_token_slots", self.num_token_slots, 2)
+        self._check_memory()
+        for name in ("overlap", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        return dataclasses.replace(
+            self, max_context_len=L, prefix_cache=prefix_cache, max_running_requests=R,
+            chunked_prefill_size=chunked, snapshot_interval=interval,
+            overlap=self.overlap and self.mesh is None)
+
+    def _check_memory(self) -> None:
+        """``mem_fraction`` in (0, 1] and a floating ``dtype``."""
+        f = self.mem_fraction
+        if check_real("mem_fraction", f) <= 0 or f > 1:
+            raise ValueError(f"mem_fraction={f!r} must be in (0, 1]")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"dtype={self.dtype!r} must be a floating dtype (the pools hold "
+                             "activations)")
+
+    def _check_mesh(self, config: KimiLinearConfig) -> int:
+        """The mesh's data size (1 without a mesh); ValueError for a mesh, option or count
+        that cannot work on it."""
+        mesh, prefix_cache = self.mesh, self.prefix_cache
+        if prefix_cache is not None and not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache={prefix_cache!r} must be a bool")
+        if mesh is None:
+            return 1
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh with axes ('data', "
+                             "'tensor') (hybridattn.sharding.make_mesh)")
+        D, tensor = sharding.mesh_sizes(mesh)
+        sharding.check_divisible(config, D, tensor)
+        if prefix_cache:
+            raise ValueError("prefix_cache=True is not supported with a mesh: the prefix cache "
+                             "(a radix tree over one token pool, with KDA state snapshots) "
+                             "serves one device; pass prefix_cache=False or leave it unset "
+                             "(the default is False under a mesh)")
+        for name in ("max_running_requests", "num_token_slots"):
+            n = getattr(self, name)
+            if n is not None:
+                check_int(name, n, 1)
+                if n % D:
+                    raise ValueError(f"{name}={n} is not divisible by the mesh's data size "
+                                     f"{D} (each data shard has its own rows and token slots)")
+        n = self.num_token_slots
+        if n is not None and n // D < 2:
+            raise ValueError(f"num_token_slots={n} leaves a data shard (of {D}) "
+                             "no token slot besides its sink")
+        return D

@@ -1,0 +1,505 @@
+"""The device side of ``hybridattn.Engine``: its jitted calls, how a plan is packed and
+dispatched, the device ops carried out, and what a run hands back.
+
+``Runner`` owns the ``ServingState`` and the engine's own jitted functions (``_Compiled``:
+the step with its state donated, the multi-step decode, row allocation, release, prefix
+borrowing, slot frees, ``_follow``), or under a mesh the engine's ``sharding.ShardedStep``.
+``launch`` packs a ``StepPlan`` to its buckets and dispatches it, returning a ``Run`` whose
+outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridattn import sharding
+from hybridattn.backend import ForwardMode
+from hybridattn.config import KimiLinearConfig
+from hybridattn.engine.buckets import STOP_BUCKETS, bucket
+from hybridattn.engine.plan import (
+    Admission,
+    Borrow,
+    FreeSlots,
+    Release,
+    Request,
+    ShardedPlan,
+    StepPlan,
+)
+from hybridattn.engine.stats import EngineStats
+from hybridattn.pools import alloc_reqs, free
+from hybridattn.serving import (
+    ServingState,
+    WorkItem,
+    _padding_unless,
+    borrow_prefix,
+    decode_steps,
+    make_worker_batch,
+    release,
+    step,
+)
+
+__all__ = ["Follow", "Run", "Runner", "work_items"]
+
+
+def work_items(plan: StepPlan) -> list[WorkItem]:
+    """A plan's work as the device's ``WorkItem``\\ s (for ``make_worker_batch``): each
+    request's row, the position it runs from (``computed``, plus what it runs in a step still
+    in flight), its tokens, sampling, snapshot to restore and snapshots to take.
+
+    >>> from hybridattn.engine.plan import Mode
+    >>> r = Request(0, [5, 6], 2, row=1)
+    >>> [it[:3] for it in work_items(StepPlan(Mode.EXTEND, ((r, [5, 6]),), (1, 2, 64, 2)))]
+    [(1, 0, [5, 6])]
+    """
+    out = []
+    for i, (r, toks) in enumerate(plan.work):
+        restore = plan.restores[i] if plan.restores else 0
+        snaps = plan.snapshots[i] if plan.snapshots else ()
+        at = r.computed + (plan.ahead[i] if plan.ahead else 0)
+        out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps))
+    return out
+
+
+def shard_items(plan: ShardedPlan) -> list[list[WorkItem]]:
+    """Each data shard's work as ``WorkItem``\\ s (local rows), for
+    ``ShardedStep.make_batch``."""
+    return [[] if p is None else work_items(p) for p in plan.plans]
+
+
+def _admit_with_prefix(state: ServingState, lens, slots, computed):
+    """A row for one request that borrows a cached prefix: allocate it, point its first
+    ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
+    pool, rows, ok = alloc_reqs(state.req_to_token_pool, 1, 1)
+    state = borrow_prefix(state.replace(req_to_token_pool=pool), rows, lens, slots, computed)
+    return state, rows, ok
+
+
+def _step_tokens(params, state: ServingState, batch):
+    """``serving.step`` without the logits (the engine samples on the device and never reads
+    them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
+    new, out = step(params, state, batch)
+    return new, out._replace(logits=None)
+
+
+def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, *,
+                   num_steps: int):
+    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count),
+    returning the token slots it wrote too."""
+    return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens,
+                        return_slots=True)
+
+
+def _follow(batch, prev_tokens, cols, last, stop_token_ids):
+    """The batch of a run dispatched while the run before it is still on the device
+    (overlapped scheduling), with the tokens that run sampled: row ``b`` with ``cols[b] >= 0``
+    feeds ``prev_tokens[last[b], cols[b]]``, the last token its request sampled there
+    (``prev_tokens`` is a multi-step run's ``[N, B']`` or a single step's ``[B']``); the other
+    rows keep theirs (prompt chunks, padding). A fed row whose token is -1 or one of its
+    ``stop_token_ids`` finished inside that run and becomes padding: no token slot, nothing
+    written; in an ``EXTEND`` batch the tokens after it move up one place, as if it had not
+    been planned (its row index, and so any snapshot entry of another row, stays)."""
+    prev = prev_tokens.reshape(-1, prev_tokens.shape[-1])
+    fed = cols >= 0
+    tok = prev[last, jnp.maximum(cols, 0)]
+    dead = fed & ((tok < 0) | jnp.any(tok[:, None] == stop_token_ids, axis=1))
+    keep = (batch.req_pool_indices > 0) & ~dead
+    if batch.forward_mode == ForwardMode.DECODE:  # one token per row, at the row's index
+        ids = jnp.where(fed, tok, batch.input_ids)
+        return _padding_unless(batch.replace(input_ids=ids), keep)
+    ext = batch.extend_seq_lens
+    T = batch.input_ids.shape[0]
+    start = jnp.cumsum(ext) - ext  # each row's first token
+    ids = batch.input_ids.at[jnp.where(fed, start, T)].set(tok, mode="drop")
+    new_ext = jnp.where(keep, ext, 0)
+    end = jnp.cumsum(new_ext)
+    t = jnp.arange(T)
+    row = jnp.minimum(jnp.searchsorted(end, t, side="right"), ext.shape[0] - 1)
+    src = start[row] + t - (end - new_ext)[row]
+    ids = jnp.where(t < end[-1], ids[jnp.clip(src, 0, T - 1)], 0)
+    zero = jnp.zeros_like(batch.req_pool_indices)
+    return batch.replace(input_ids=ids.astype(jnp.int32),
+                         req_pool_indices=jnp.where(keep, batch.req_pool_indices, zero),
+                         seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
+                         extend_seq_lens=new_ext.astype(jnp.int32))
+
+
+
+def _alloc_row(pool):
+    return alloc_reqs(pool, 1, 1)
+
+
+def _free_tokens(state: ServingState, slots):
+    return state.replace(token_allocator=free(state.token_allocator, slots))
+
+
+def _signature(args, kwargs) -> tuple:
+    """What a jitted function compiles for: the arguments' tree (static fields included) and
+    every leaf's shape and dtype."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves)
+
+
+class _Compiled:
+    """One engine's own jitted functions (the step with its state donated, row allocation,
+    release, prefix borrowing, slot frees), built when the engine is, and ``count``, the
+    compilations this engine has needed: the distinct argument signatures (shape buckets) it
+    has called them with. Nothing here is module-level, so two engines keep apart counts;
+    within one engine a shape bucket is prepared once. (JAX itself keys its in-process and
+    on-disk caches on the function and the shapes, so a second engine of the same geometry
+    gets the executable of the first without tracing the model again; each engine still
+    counts every bucket it needed.)
+
+    >>> c = _Compiled()
+    >>> c.count, c.step is _Compiled().step
+    (0, False)
+    >>> c.call(c.alloc_row, ServingState.create(KimiLinearConfig.tiny(
+    ...     num_hidden_layers=2, hidden_size=32, vocab_size=64), max_running_requests=1,
+    ...     max_context_len=4, num_token_slots=5).req_to_token_pool)[1].tolist(), c.count
+    ([1], 1)
+    """
+
+    def __init__(self):
+        self.count = 0
+        self._seen: set = set()
+        self._head, self._head_sig = None, None  # the last dict first argument, its signature
+        self.step = jax.jit(_step_tokens, donate_argnums=1)
+        self.release = jax.jit(release, donate_argnums=0)
+        self.alloc_row = jax.jit(_alloc_row)
+        self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
+        self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
+        self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
+        self.follow = jax.jit(_follow)
+        self._decode: dict[int, Any] = {}
+
+    def decode(self, num_steps: int):
+        """The jitted ``num_steps``-step decode (state donated), one function per count."""
+        if num_steps not in self._decode:
+            self._decode[num_steps] = jax.jit(
+                functools.partial(_decode_tokens, num_steps=num_steps), donate_argnums=1)
+        return self._decode[num_steps]
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, counting a signature this engine has not used before. A
+        first argument that is a dict (the parameters) keeps its signature while it is the
+        same object: reading every parameter's shape took 0.3 of the 1.6 ms a multi-step
+        decode's call spent on the host (``bench.serve_config()``, B = 8)."""
+        head = args[0] if args else None
+        if isinstance(head, dict):
+            if head is not self._head:
+                self._head, self._head_sig = head, _signature(args[:1], {})
+            key = (fn, self._head_sig, _signature(args[1:], kwargs))
+        else:
+            key = (fn, _signature(args, kwargs))
+        out = fn(*args, **kwargs)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.count += 1
+        return out
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Follow:
+    """How a step dispatched before the run in flight is committed takes that run's output:
+    per work item the column and the step of the run's tokens that feed it (-1: none, its
+    token is the host's), the requests so fed, and the tokens each request samples in the
+    run in flight (for the core's ``_multi_step_limits``).
+
+    >>> Follow(cols=(0, -1), last=(0, 0), fed=(), samples={}).cols
+    (0, -1)
+    """
+
+    cols: tuple[int, ...]
+    last: tuple[int, ...]
+    fed: tuple[Request, ...]
+    samples: dict
+    leaving: int = 0  # requests that reach max_new_tokens in flight (their rows free then)
+
+
+@dataclasses.dataclass
+class Run:
+    """A step (or multi-step decode) on the device whose tokens the host has not committed:
+    its plan and step limits (None: one step), its outputs (device arrays), its bucket key,
+    whether dispatching it compiled, when its round began planning it (``t_plan``), packing
+    it (``t_pack``) and when the dispatch returned (``t_call``), and of the host seconds
+    before that, ``exposed``: those during which the device had nothing queued; ``fed``: the
+    requests whose tokens came from the run before it; ``ready_by``: a time a later round
+    found its outputs ready (its stats then end there, not at the commit).
+
+    >>> from hybridattn.engine.plan import Mode
+    >>> plan = StepPlan(Mode.EXTEND, ((Request(0, [5, 6], 4, row=1), [5, 6]),), (1, 2, 64, 2))
+    >>> run = Run(plan, None, np.array([7]), np.array(True), np.array([3, 4]), (1, 1, 2, 64, 2),
+    ...           False, 0.0, 0.0, 0.0, 0.0)
+    >>> run.limits is None  # one step
+    True
+    """
+
+    plan: StepPlan | ShardedPlan
+    limits: list[int] | None
+    tokens: Any
+    ok: Any
+    slots: Any  # the token slots the run wrote (StepOutput.token_slots; None under a mesh)
+    key: tuple
+    compiled: bool
+    t_plan: float
+    t_pack: float
+    t_call: float
+    exposed: float
+    fed: tuple = ()  # requests whose token came from the run before it (Follow.fed)
+    ready_by: float | None = None  # a time its outputs were found ready (before the commit)
+
+
+
+class Runner:
+    """One engine's device side: the pools (``state``), the parameters, the jitted calls and
+    the run in flight (see the module docstring). The host's mirror of the device's free
+    stack of request rows (``free_rows``) lets admission know a row without a device read;
+    ``check_rows`` compares the two at the next commit.
+
+    ``stats`` is the engine's ``EngineStats``: ``call`` adds the compilations it needed.
+
+    >>> import jax
+    >>> from hybridattn.engine.core import build_core
+    >>> from hybridattn.engine.options import EngineOptions
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> opts = EngineOptions(max_running_requests=2, max_context_len=16,
+    ...                      num_token_slots=33).resolved(cfg)
+    >>> runner = build_core(cfg, kimi_linear.init_params(cfg, jax.random.key(0)), opts).runner
+    >>> runner.compilations(), runner.free_rows, runner.inflight is None
+    (0, [2, 1], True)
+    """
+
+    def __init__(self, config: KimiLinearConfig, params: Any, state: ServingState, *,
+                 max_context_len: int, max_running_requests: int, num_data_shards: int,
+                 request_buckets: Sequence[int], kv_buckets: Sequence[int],
+                 chunk_size: int | None, decode_steps: int, prefix_cache: bool,
+                 stats: EngineStats, sharded: sharding.ShardedStep | None = None):
+        self.config, self.params, self.state = config, params, state
+        self.max_context_len = max_context_len
+        self.max_running_requests = max_running_requests
+        self.num_data_shards = num_data_shards
+        self.request_buckets, self.kv_buckets = tuple(request_buckets), tuple(kv_buckets)
+        self.chunk_size, self.decode_steps = chunk_size, decode_steps
+        self.prefix_cache = prefix_cache
+        self.stats = stats
+        self.jit = _Compiled()  # this engine's own compilations
+        self.sharded = sharded  # under a mesh: this engine's own ShardedStep
+        self.inflight: Run | None = None  # a step not committed yet (overlap)
+        # the device's free stack of request rows, mirrored (pops from the end, as alloc)
+        self.free_rows = list(range(max_running_requests, 0, -1))
+        self._row_checks: list = []  # (rows, ok, expected row) of admissions not checked
+        self.last_ready = 0.0  # when the last committed run's tokens were read
+
+    def compilations(self) -> int:
+        """Compilations this engine has needed so far (``_Compiled.count``, or the traces of
+        its ``ShardedStep`` under a mesh)."""
+        return self.jit.count + (0 if self.sharded is None else self.sharded.trace_count)
+
+    def call(self, fn, *args, **kwargs):
+        """Run one of this engine's jitted functions, counting a compilation it needed."""
+        before = self.compilations()
+        if self.sharded is None:
+            out = self.jit.call(fn, *args, **kwargs)
+        else:  # the ShardedStep's own functions: they count their traces
+            out = fn(*args, **kwargs)
+        self.stats.num_compilations += self.compilations() - before
+        return out
+
+    def packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
+        """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
+        buckets: ``self.call(fn, self.params, self.state, batch)`` runs it."""
+        B, T, W, Q = plan.buckets
+        shape = dict(vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
+                     forward_mode=ForwardMode(plan.mode), num_requests=B, num_tokens=T, kv_width=W,
+                     max_extend_len=Q, num_snapshots=plan.num_snapshots,
+                     snapshot_chunk=self.chunk_size)
+        if self.sharded is None:
+            return self.jit.step, make_worker_batch(work_items(plan), **shape)
+        # one work list per data shard, one step for all of them
+        return self.sharded, self.sharded.make_batch(shard_items(plan), **shape)
+
+    def stop_ids(self, plan: StepPlan, only: Collection[Request] | None = None) -> np.ndarray:
+        """Each work item's stop ids ``[B, S]`` (with ``only``, those requests' alone),
+        padded with -1 (``S`` from ``STOP_BUCKETS``)."""
+        which = [(i, r) for i, (r, _) in enumerate(plan.work) if only is None or r in only]
+        S = bucket(max([1, *(len(r.stop_token_ids) for _, r in which)]), STOP_BUCKETS,
+                   "stop token ids of a request")
+        stops = np.full((plan.buckets[0], S), -1, np.int32)
+        for i, r in which:
+            stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
+        return stops
+
+    def packed_decode(self, plan: StepPlan, limits: Sequence[int]) -> tuple[Any, tuple]:
+        """The jitted multi-step decode and its arguments after the state: the DECODE batch,
+        each row's stop ids ``[B, S]`` (``_stop_ids``) and its step limit ``[B]`` (0 for
+        padding rows)."""
+        B, T, W, Q = plan.buckets
+        batch = make_worker_batch(work_items(plan), vocab_size=self.config.vocab_size,
+                                  max_context_len=self.max_context_len,
+                                  forward_mode=ForwardMode.DECODE, num_requests=B,
+                                  num_tokens=T, kv_width=W, max_extend_len=Q)
+        lim = np.zeros(B, np.int32)
+        lim[: len(limits)] = limits
+        return self.jit.decode(self.decode_steps), (batch, jnp.asarray(self.stop_ids(plan)),
+                                                     jnp.asarray(lim))
+
+    def launch(self, plan: StepPlan | ShardedPlan, t_plan: float, limits: list[int] | None,
+               follow: Follow | None = None) -> Run:
+        """Pack and dispatch ``plan`` (planned from ``t_plan`` on): one step, or with
+        ``limits`` (each request's steps) a multi-step decode (``decode_steps``); returns the
+        run, its outputs still on the device. With ``follow`` (the core's ``_continuation``)
+        the rows it names take their tokens from the output of the run in flight."""
+        key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
+            plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
+        traces = self.compilations()
+        t_pack = time.perf_counter()
+        if limits is None:
+            fn, batch = self.packed(plan)
+            rest = ()
+        else:
+            fn, (batch, *rest) = self.packed_decode(plan, limits)
+        prev = self.inflight if follow is not None else None
+        if follow is not None and follow.fed:
+            B = plan.buckets[0]
+            cols, last = np.full(B, -1, np.int32), np.zeros(B, np.int32)
+            cols[: len(follow.cols)], last[: len(follow.last)] = follow.cols, follow.last
+            stops = rest[0] if rest else jnp.asarray(self.stop_ids(plan, follow.fed))
+            batch = self.call(self.jit.follow, batch, prev.tokens, jnp.asarray(cols),
+                               jnp.asarray(last), stops)
+        if limits is None:
+            self.state, out = self.call(fn, self.params, self.state, batch)
+            tokens, ok, slots = out.next_token_ids, out.ok, out.token_slots
+        else:
+            self.state, tokens, ok, slots = self.call(fn, self.params, self.state, batch,
+                                                       *rest)
+        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
+        # the device had nothing queued while this run was planned, unless the run before
+        # it was still computing when it was dispatched
+        busy = prev is not None and not prev.tokens.is_ready()
+        return Run(plan, limits, tokens, ok, slots, key, self.compilations() > traces,
+                   t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
+                   follow.fed if follow is not None else ())
+
+    def admit_row(self, adm: Admission) -> int:
+        """Allocate the admitted request's row on the device; with a cache hit the row also
+        borrows the matched KV and records the restored depth. Returns the row."""
+        if self.sharded is not None:  # a local row of the request's data shard
+            counts = [int(k == adm.req.shard) for k in range(self.num_data_shards)]
+            new, rows, oks = self.call(self.sharded.try_alloc_rows, self.state, counts)
+            rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
+        else:
+            # The row is known on the host (the device's free stack, mirrored), so nothing
+            # is read back: with a step in flight a read would wait for it. The device's
+            # answer is checked at the next commit (_check_rows).
+            if not self.prefix_cache:
+                pool, rows, ok = self.call(self.jit.alloc_row, self.state.req_to_token_pool)
+                new = self.state.replace(req_to_token_pool=pool)
+            else:
+                W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
+                slots = np.zeros((1, W), np.int32)
+                slots[0, : adm.borrowed] = adm.slots
+                new, rows, ok = self.call(self.jit.admit, self.state,
+                                           jnp.asarray([adm.borrowed], jnp.int32),
+                                           jnp.asarray(slots),
+                                           jnp.asarray([adm.computed], jnp.int32))
+            self.state = new
+            row = self.free_rows.pop()
+            self._row_checks.append((rows, ok, row))
+            adm.req.row_slots = list(adm.slots)
+            return row
+        self.state = new
+        if not bool(ok):  # cannot happen while the host counts agree with the pool
+            raise RuntimeError("request-row allocation failed with rows counted free")
+        return int(rows[0])
+
+    def check_rows(self) -> None:
+        """The rows the device allocated equal the host's mirror of its free stack (read at a
+        commit, when they are ready); a disagreement cannot happen and raises."""
+        checks, self._row_checks = self._row_checks, []
+        for rows, ok, row in checks:
+            got = int(np.asarray(rows)[0])
+            if not bool(np.asarray(ok)) or got != row:
+                raise RuntimeError(f"request-row allocation gave row {got} (ok="
+                                   f"{bool(np.asarray(ok))}); the host expected row {row}")
+
+    def flush_ops(self, sched) -> None:
+        """Carry out the device ops the scheduler queued, in order (frees of evicted slots,
+        borrowed prompts, releases of finished requests); one that fails stays queued and is
+        retried by the next round."""
+        if self.sharded is not None:
+            self._flush_sharded(sched)
+            return
+        while sched.device_ops:
+            op = sched.device_ops[0]
+            if isinstance(op, FreeSlots):
+                n = 1 << max(len(op.slots) - 1, 0).bit_length()  # one compile per power of 2
+                slots = np.zeros(n, np.int32)
+                slots[: len(op.slots)] = op.slots
+                self.state = self.call(self.jit.free_tokens, self.state, jnp.asarray(slots))
+            elif isinstance(op, Borrow):
+                W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
+                slots = np.zeros((1, W), np.int32)
+                slots[0, : len(op.slots)] = op.slots
+                self.state = self.call(self.jit.borrow, self.state,
+                                        jnp.asarray([op.req.row], jnp.int32),
+                                        jnp.asarray([len(op.slots)], jnp.int32),
+                                        jnp.asarray(slots))
+                op.req.row_slots[: len(op.slots)] = op.slots
+            elif isinstance(op, Release):
+                self.state = self._release_rows(op.reqs)
+            sched.op_done(op)
+
+    def _flush_sharded(self, sched) -> None:
+        """Under a mesh the only device ops are releases: every shard's queued releases in one
+        sharded call (each shard's rows padded with row 0 to its row count, one compile)."""
+        ops = sched.device_ops
+        if not ops:
+            return
+        R = self.max_running_requests // self.num_data_shards
+        rows = [[] for _ in range(self.num_data_shards)]
+        for op in ops:
+            for r in op.reqs:
+                rows[r.shard].append(r.row)
+        self.state = self.call(self.sharded.release, self.state,
+                                [r + [0] * (R - len(r)) for r in rows])
+        for op in ops:
+            sched.op_done(op)
+
+    def _release_rows(self, done: Sequence[Request]) -> ServingState:
+        R = self.request_buckets[-1]
+        rows = np.zeros(R, np.int32)
+        rows[: len(done)] = [r.row for r in done]
+        if not self.prefix_cache:
+            state = self.call(self.jit.release, self.state, jnp.asarray(rows))
+        else:
+            keep = np.full(R, self.max_context_len, np.int32)
+            keep[: len(done)] = [self.max_context_len if r.keep_from is None else r.keep_from
+                                 for r in done]
+            snaps = np.zeros(R, np.int32)
+            snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
+            state = self.call(self.jit.release, self.state, jnp.asarray(rows),
+                               keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
+        self.free_rows.extend(r.row for r in done)  # freed in this order, as the device does
+        return state
+
+    def read_slots(self, req: Request, n: int) -> list[int]:
+        """The token slots of the first ``n`` positions of ``req``'s row, from the host's copy
+        (``Request.row_slots``: what admission borrowed, each step's ``token_slots``, each
+        ``Borrow``). Never a device read: with a run in flight a read would wait for it."""
+        if len(req.row_slots) < n:  # cannot happen: every step's slots are recorded
+            raise RuntimeError(f"request {req.rid}: the host holds {len(req.row_slots)} of "
+                               f"its row's token slots, {n} are needed")
+        return req.row_slots[:n]
+
+    # ---------------------------------------------------------------------------------------
+    # convenience
+    # ---------------------------------------------------------------------------------------
