@@ -245,7 +245,7 @@ class Core:
         planned from ``computed`` + the tokens it runs in flight (``Scheduler.plan(ahead)``):
         its prompt's next chunk, or one decode token that, when the run in flight samples
         it, comes from that run's output on the device (``runner._follow``). A request that
-        reaches ``max_new_tokens`` in flight is left out; one that samples a stop token there is
+        reaches ``max_tokens`` in flight is left out; one that samples a stop token there is
         padding on the device and skipped at this step's commit."""
         run, sched = self.runner.inflight, self.scheduler
         plan = run.plan
@@ -259,7 +259,7 @@ class Core:
                 continue
             samples[r] = k if r.computed >= len(r.prompt) else 1  # tokens it samples there
             fed[r] = (j, k - 1 if run.limits is not None else 0)
-            if len(r.output) + samples[r] >= r.max_new_tokens:
+            if len(r.output) + samples[r] >= r.max_tokens:
                 leaving.append(r)
         self._admit()
         nxt = sched.plan(ahead, leaving)
@@ -276,7 +276,7 @@ class Core:
         """The steps each request of ``plan`` may run in one multi-step decode dispatch
         (None: this round runs one step). Only a pure ``DECODE`` plan on one device, and only
         when nothing could join before the run ends: no request waits, or none running can
-        reach its ``max_new_tokens`` before the run's last step (the head of the queue waits
+        reach its ``max_tokens`` before the run's last step (the head of the queue waits
         for a row or token slots that only a finish frees). Each request runs at most its
         tokens left and what the plan's attention-width bucket has room for, counting, for a
         plan that follows a run in flight (``follow``), the tokens it runs there
@@ -287,7 +287,7 @@ class Core:
             return None
         ahead = plan.ahead or (0,) * len(plan.work)
         samples = follow.samples if follow is not None else {}
-        left = [r.max_new_tokens - len(r.output) - samples.get(r, 0) for r, _ in plan.work]
+        left = [r.max_tokens - len(r.output) - samples.get(r, 0) for r, _ in plan.work]
         leaving = follow is not None and follow.leaving > 0
         if self.scheduler.waiting and (leaving or min(left) < N):
             return None

@@ -5,7 +5,7 @@ carries them out on the device (``runner.work_items`` turns a plan into the devi
 ``WorkItem``\\ s). ``Mode`` is a step's kind, with the values of
 ``hybridattn.backend.ForwardMode`` (the runner passes ``ForwardMode(plan.mode)``).
 
->>> r = Request(rid=0, prompt=[5, 6], max_new_tokens=2, row=1)
+>>> r = Request(rid=0, prompt=[5, 6], max_tokens=2, row=1)
 >>> StepPlan(Mode.EXTEND, ((r, [5, 6]),), (1, 2, 64, 2)).num_tokens
 2
 """
@@ -41,21 +41,21 @@ class Request:
 
     ``computed`` counts its tokens whose KV / state is in the pools; ``output`` its generated
     tokens; ``finish_reason`` is ``"stop"`` (a stop token, which is kept), ``"length"``
-    (``max_new_tokens``) or ``"abort"`` once it has finished. With a prefix cache:
+    (``max_tokens``) or ``"abort"`` once it has finished. With a prefix cache:
     ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
     restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
     ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
     first positions as the engine wrote them (``read_slots`` serves them without a device
     read).
 
-    >>> r = Request(rid=3, prompt=[1, 2], max_new_tokens=4)
+    >>> r = Request(rid=3, prompt=[1, 2], max_tokens=4)
     >>> r.need, r.finished, r.tokens
     (5, False, [1, 2])
     """
 
     rid: int
     prompt: list[int]
-    max_new_tokens: int
+    max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: frozenset = frozenset()
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -82,7 +82,7 @@ class Request:
     @property
     def need(self) -> int:
         """Token slots over the request's whole life (the last sampled token never runs)."""
-        return len(self.prompt) + self.max_new_tokens - 1
+        return len(self.prompt) + self.max_tokens - 1
 
     @property
     def tokens(self) -> list[int]:
@@ -93,7 +93,7 @@ class Request:
         """``tokens[i]`` without building ``tokens`` (a copy of the whole context: 0.3 ms
         a decode step at 64k).
 
-        >>> Request(rid=0, prompt=[1, 2], max_new_tokens=4, output=[7]).token_at(2)
+        >>> Request(rid=0, prompt=[1, 2], max_tokens=4, output=[7]).token_at(2)
         7
         """
         n = len(self.prompt)

@@ -47,7 +47,7 @@ class PrefixCache:
 
     >>> from collections import deque
     >>> cache = PrefixCache(num_snapshot_slots=9, snapshot_interval=64, device_ops=deque())
-    >>> req = Request(rid=0, prompt=[5, 6, 7], max_new_tokens=2)
+    >>> req = Request(rid=0, prompt=[5, 6, 7], max_tokens=2)
     >>> cache.admit(req, running=[], room=16)  # nothing cached: borrow nothing, restore nothing
     ((), 0)
     >>> sorted(req.planned), cache.size  # a snapshot before the last prompt token
@@ -83,7 +83,7 @@ class PrefixCache:
         st = tree.match_prefix(req.prompt[:-1]).state_node  # logits need the last token run
         tree.lock(kv.node)
         P, S = len(kv.slots), st.depth
-        need = L - P + req.max_new_tokens - 1
+        need = L - P + req.max_tokens - 1
         short = tree.total_size + need - room
         if short > tree.evictable_size:  # even an empty cache would not make room: wait for
             tree.unlock(kv.node)          # running requests, and keep the cache as it is
@@ -175,7 +175,7 @@ class PrefixCache:
             inserts = r.prefilling and (took or after >= len(r.prompt))
             samples = after >= len(r.prompt) and not r.finished
             finishes = samples and (int(tok) in r.stop_token_ids
-                                    or len(r.output) + 1 >= r.max_new_tokens)
+                                    or len(r.output) + 1 >= r.max_tokens)
             if inserts or finishes:
                 rows[r.rid] = list(read_slots(r, after))
         return lambda r, n: rows[r.rid][:n]

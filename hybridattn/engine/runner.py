@@ -221,7 +221,7 @@ class Follow:
     last: tuple[int, ...]
     fed: tuple[Request, ...]
     samples: dict
-    leaving: int = 0  # requests that reach max_new_tokens in flight (their rows free then)
+    leaving: int = 0  # requests that reach max_tokens in flight (their rows free then)
 
 
 @dataclasses.dataclass

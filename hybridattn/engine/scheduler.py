@@ -19,7 +19,7 @@ in order, retrying an op that failed), so an exception between two calls leaves 
 and the pools in agreement.
 
 Admission reserves a request's whole life (the token slots it will own: prompt tokens past a
-cached prefix + ``max_new_tokens - 1``: the last sampled token never runs) on top of what
+cached prefix + ``max_tokens - 1``: the last sampled token never runs) on top of what
 running requests reserved and what the prefix cache holds (evicting unlocked cached prefixes
 to make room), so a running request can never run out of slots. A step takes every decoding
 request (one token each) and, when some admitted request still has prompt tokens, prompt
@@ -36,7 +36,7 @@ it. When the request finishes, prompt and answer go in, ending at a snapshot of 
 
 >>> sched = Scheduler(capacity=64, max_running_requests=2, chunked_prefill_size=4,
 ...                   request_buckets=(2,), token_buckets=(8,), kv_buckets=(16,))
->>> req = Request(rid=0, prompt=[5, 6, 7, 8, 9], max_new_tokens=2)
+>>> req = Request(rid=0, prompt=[5, 6, 7, 8, 9], max_tokens=2)
 >>> sched.add(req)
 >>> adm = sched.admit_next()
 >>> sched.admitted(adm, row=1)
@@ -100,8 +100,8 @@ class Scheduler:
 
     >>> sched = Scheduler(capacity=8, max_running_requests=1, chunked_prefill_size=4,
     ...                   request_buckets=(1,), token_buckets=(4,), kv_buckets=(8,))
-    >>> sched.add(Request(0, [1, 2, 3], max_new_tokens=2))
-    >>> sched.add(Request(1, [4], max_new_tokens=1))
+    >>> sched.add(Request(0, [1, 2, 3], max_tokens=2))
+    >>> sched.add(Request(1, [4], max_tokens=1))
     >>> sched.admitted(sched.admit_next(), row=1)
     >>> sched.admit_next() is None  # one row: the second waits
     True
@@ -233,7 +233,7 @@ class Scheduler:
         on the device, whose samples the host has not committed: they are planned from
         ``computed + ahead`` on (``StepPlan.ahead``), and a request whose next token is one
         it samples there gets a placeholder 0 (the device supplies it). ``leaving``: requests
-        that finish in that step whatever it samples (they reach ``max_new_tokens``); they
+        that finish in that step whatever it samples (they reach ``max_tokens``); they
         are left out."""
         ahead = ahead or {}
         running = [r for r in self.running if r not in leaving]
@@ -310,7 +310,7 @@ class Scheduler:
             r.output.append(tok)
             if tok in r.stop_token_ids:
                 r.finish_reason = "stop"
-            elif len(r.output) >= r.max_new_tokens:
+            elif len(r.output) >= r.max_tokens:
                 r.finish_reason = "length"
             events.append((r.rid, tok, r.finished))
             if r.finished:
@@ -384,7 +384,7 @@ class ShardedScheduler:
     >>> sched = ShardedScheduler(2, capacity=8, max_running_requests=1, chunked_prefill_size=4,
     ...                          request_buckets=(1,), token_buckets=(4, 8), kv_buckets=(8,))
     >>> for rid, prompt in enumerate([[1, 2, 3], [4, 5], [6]]):
-    ...     sched.add(Request(rid, prompt, max_new_tokens=2))
+    ...     sched.add(Request(rid, prompt, max_tokens=2))
     >>> while (adm := sched.admit_next()) is not None:
     ...     sched.admitted(adm, row=1)
     >>> [(r.rid, r.shard) for r in sched.running], sched.num_waiting  # one row per shard

@@ -31,7 +31,7 @@ from hybridattn.engine import Engine
 from hybridattn.engine import runner as E
 from hybridattn.models import kimi_linear as M
 
-# A fixed pool of requests the programs draw from: (prompt, max_new_tokens, sampling).
+# A fixed pool of requests the programs draw from: (prompt, max_tokens, sampling).
 SPECS = [
     (prompts_of([9], seed=40)[0], 4, dict()),
     (prompts_of([40], seed=41)[0], 3, dict()),

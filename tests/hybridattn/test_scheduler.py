@@ -145,11 +145,11 @@ class SchedulerAgainstRefPools(RuleBasedStateMachine):
         for r in self.reqs:
             fed = self.fed.get(r.rid, [])
             assert fed == r.tokens[r.start: r.start + len(fed)]
-            assert len(r.output) <= r.max_new_tokens
+            assert len(r.output) <= r.max_tokens
             if r.finish_reason == "stop":
                 assert r.output[-1] in r.stop_token_ids
             elif r.finish_reason == "length":
-                assert len(r.output) == r.max_new_tokens
+                assert len(r.output) == r.max_tokens
         assert self.admitted_order == sorted(self.admitted_order)  # FIFO admission
         if sched.tree is not None:
             held = sum(len(r.planned) + len(r.taken) + bool(r.finish_slot) for r in running)

@@ -291,7 +291,7 @@ def _workload():
 
 
 def _serve(eng, requests):
-    """Serve ``(prompt, max_new_tokens, kwargs)`` requests, half queued first and the rest
+    """Serve ``(prompt, max_tokens, kwargs)`` requests, half queued first and the rest
     after two rounds; returns each request's tokens, whether any waited and the data shards
     that ran requests."""
     out, rid_of, waited, shards = {}, {}, False, set()
@@ -313,7 +313,7 @@ def _serve(eng, requests):
 
 def test_engine_on_a_2x4_mesh_equals_the_unsharded_engine(engines):
     """A mixed workload (prompt lengths 1 to 20 with chunked prefill, more requests than
-    rows, late arrivals, stop tokens, max_new_tokens from 1 to 9, a seeded sampled request):
+    rows, late arrivals, stop tokens, max_tokens from 1 to 9, a seeded sampled request):
     the sharded engine's tokens equal the unsharded engine's."""
     ref, eng = engines
     prompts, news = _workload()

@@ -299,6 +299,10 @@ def test_max_new_tokens_still_works_for_one_release_with_a_warning():
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give max_tokens"):
         front.add_request([1], 2, max_new_tokens=3)
     assert len(front.generate([[1]])[0]) == 256  # the default, DEFAULT_MAX_TOKENS
+    for call in (front.generate, front.stream, front.add_request):  # the caller's line
+        with pytest.warns(DeprecationWarning) as got:
+            call([[1]] if call != front.add_request else [1], max_new_tokens=1)
+        assert got[0].filename == __file__, (call, got[0].filename)
 
 
 class _CancelFailsOnce(FakeCore):
