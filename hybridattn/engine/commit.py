@@ -80,10 +80,10 @@ def one_step_plans(plan: StepPlan, steps: list[tuple[list[int], list[int]]]):
     they ran, each with its tokens, in order (each computed after the one before it is
     committed: a request's next token is the one the step before sampled).
 
-    >>> r = Request(0, [5], 4, row=1, computed=1)
-    >>> plan = StepPlan(Mode.DECODE, ((r, [5]),), (1, 1, 64, 1))
+    >>> r = Request(0, [5], 4, row=1, computed=1, output=[6])  # 6 runs next
+    >>> plan = StepPlan(Mode.DECODE, ((r, [6]),), (1, 1, 64, 1))
     >>> [(p.work[0][1], toks) for p, toks in one_step_plans(plan, [([0], [7])])]
-    [([5], [7])]
+    [([6], [7])]
     """
     reqs = [r for r, _ in plan.work]
     for idx, toks in steps:
