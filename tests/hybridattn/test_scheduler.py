@@ -209,3 +209,30 @@ TestSchedulerAgainstRefPools = SchedulerAgainstRefPools.TestCase
 TestSchedulerAgainstRefPools.settings = settings(stateful_step_count=40, deadline=None)
 TestCachedSchedulerAgainstRefPools = CachedSchedulerAgainstRefPools.TestCase
 TestCachedSchedulerAgainstRefPools.settings = settings(stateful_step_count=40, deadline=None)
+
+
+def test_the_scheduler_layer_imports_no_jax():
+    """The scheduler, its plan data, the prefix policy and the bucket ladders import the
+    standard library, ``servecore`` and each other only (function bodies included): no JAX,
+    no device code, so the host logic runs without a model."""
+    import ast
+    import pathlib
+    import sys
+
+    import hybridattn.engine
+
+    root = pathlib.Path(hybridattn.engine.__file__).parent
+    plain = {"scheduler", "plan", "prefix_cache", "buckets"}
+    for name in sorted(plain):
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module]
+            else:
+                continue
+            for mod in mods:
+                top = mod.split(".")[0]
+                ok = (top in sys.stdlib_module_names or top == "servecore"
+                      or mod.removeprefix("hybridattn.engine.") in plain)
+                assert ok, f"hybridattn.engine.{name} imports {mod}"
