@@ -17,8 +17,8 @@ from hybridattn.backends import ForwardMode
 from hybridattn.bench.common import median
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
-from hybridattn.models import kimi_linear as M
 from hybridattn.engine.buckets import bucket
+from hybridattn.models import kimi_linear as M
 from hybridattn.serving import WorkItem, make_worker_batch
 
 COMPILE_LAYERS = (4, 12, 27)

@@ -22,8 +22,8 @@ from hybridattn.bench import anchors as A
 from hybridattn.bench.common import interleaved_best, machine
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine import Engine
-from hybridattn.models import kimi_linear as M
 from hybridattn.engine.buckets import bucket
+from hybridattn.models import kimi_linear as M
 from hybridattn.serving import WorkItem, make_worker_batch
 
 LONGCTX_LENGTHS = (4096, 16384, 65536, 262144)

@@ -10,13 +10,12 @@ read, checked and recorded) -> ``stats``. ``options`` checks the constructor's o
 """
 
 from hybridattn.engine.engine import Engine
-from hybridattn.engine.sizing import (
+from hybridattn.engine.options import (
     REQ_TABLE_POSITIONS,
-    MemoryReport,
-    available_memory_bytes,
     default_chunked_prefill_size,
     default_max_running_requests,
 )
+from hybridattn.engine.sizing import MemoryReport, available_memory_bytes
 from hybridattn.engine.stats import EngineStats
 
 __all__ = ["REQ_TABLE_POSITIONS", "Engine", "EngineStats", "MemoryReport",

@@ -368,7 +368,7 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
     mesh, D = opts.mesh, opts.num_data_shards
     if opts.scan_layers:
         params = kimi_linear.stack_layers(params, config)
-    if mesh is None:  # (sharding.PARAM_RULES name the checkpoint's leaves)
+    if mesh is None:  # (kimi_linear.PARAM_RULES name the checkpoint's leaves)
         params = kimi_linear.serving_layout(params)
     # Bytes per token and per request, read from the pools' own layout (shapes only).
     sizes = pool_sizes(opts, config, sum(x.nbytes for x in jax.tree.leaves(params)))

@@ -29,6 +29,7 @@ from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
 from hybridattn.engine.stats import EngineStats
 from hybridattn.models import kimi_linear
+from hybridattn.models.kimi_linear.params import _check_supported
 from hybridattn.serving import ServingState
 from servecore.prompts import Prompt
 from servecore.requests import RequestBuilder
@@ -138,13 +139,13 @@ class Engine:
             model that repeats a period of layers instead (``kimi_linear.layer_plan``)
             compiles one period. The engine
             then holds the stacked copy of ``params`` (under a ``mesh``, placed by
-            ``sharding.stacked_param_specs``). No effect on a model whose layers do not
+            ``kimi_linear.stacked_param_specs``). No effect on a model whose layers do not
             repeat. On one device the engine's copy is also in
             ``kimi_linear.serving_layout`` (routed down projections input-major, each KDA
             layer's input projections as one).
-        mesh: a ``(data, tensor)`` mesh (``hybridattn.sharding.make_mesh``) to serve on
+        mesh: a ``(data, tensor)`` mesh (``hybridattn.mesh.make_mesh``) to serve on
             (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``, this engine's
-            own), ``params`` are placed by ``sharding.PARAM_RULES``, and the pools are split
+            own), ``params`` are placed by ``kimi_linear.PARAM_RULES``, and the pools are split
             into ``data`` shards, each with ``max_running_requests / data`` rows and
             ``num_token_slots / data`` token slots (its own sink included; both must divide).
             Each request runs on one data shard: the least loaded one with a free row and
@@ -250,7 +251,7 @@ class Engine:
     ):
         if not isinstance(config, KimiLinearConfig):
             raise ValueError(f"config must be a KimiLinearConfig, got {type(config).__name__}")
-        kimi_linear._check_supported(config)  # unimplemented config values, by name
+        _check_supported(config)  # unimplemented config values, by name
         kimi_linear.check_params(params, config)
         opts = EngineOptions(
             max_running_requests=max_running_requests, max_context_len=max_context_len,

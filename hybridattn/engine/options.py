@@ -24,12 +24,46 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine.sizing import default_chunked_prefill_size, default_max_running_requests
+from hybridattn.mesh import check_divisible, mesh_sizes
 from servecore.validate import check_int, check_real
 
-__all__ = ["EngineOptions"]
+__all__ = ["REQ_TABLE_POSITIONS", "EngineOptions", "default_chunked_prefill_size",
+           "default_max_running_requests"]
+
+
+REQ_TABLE_POSITIONS = 1 << 23
+"""Positions of the default ``req_to_token`` table: about 32 MiB of int32 (32 rows up to 256k,
+8 at 1M)."""
+
+
+def default_max_running_requests(max_context_len: int) -> int:
+    """The default request rows: 32, fewer when 32 rows of ``max_context_len`` positions would
+    make the ``req_to_token`` table larger than ``REQ_TABLE_POSITIONS`` int32 (32 MiB), and
+    at least one. A row is a whole context of slot ids whether or not a request fills it, so
+    at 1M the default keeps 8 rows (32 MiB) rather than 32 (128 MiB); a 1M context also needs
+    a token pool of that many tokens per running request, which few machines hold 32 times.
+
+    >>> [default_max_running_requests(n) for n in (4096, 1 << 18, 1 << 19, 1 << 20, 1 << 24)]
+    [32, 32, 16, 8, 1]
+    """
+    check_int("max_context_len", max_context_len, 1)
+    return min(32, max(1, REQ_TABLE_POSITIONS // max_context_len))
+
+
+def default_chunked_prefill_size(max_context_len: int) -> int:
+    """The default prompt tokens per step: 256 up to 4096 tokens of context (short prompts,
+    small compiled shapes), 2048 beyond. A long prompt then takes 8x fewer steps, each
+    query tile of the blockwise MLA meets more queries per key block, and fewer width
+    buckets are met: a 64k prompt on the tiny config prefilled in 39 s instead of 48 s and
+    compiled in 67 s instead of 98 (``bench longctx``, docs/benchmarks.md).
+
+    >>> [default_chunked_prefill_size(n) for n in (4096, 4097, 1 << 20)]
+    [256, 2048, 2048]
+    """
+    check_int("max_context_len", max_context_len, 1)
+    return 256 if max_context_len <= 4096 else 2048
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +98,7 @@ class EngineOptions:
     @property
     def num_data_shards(self) -> int:
         """The mesh's data size (1 without a mesh)."""
-        return 1 if self.mesh is None else sharding.mesh_sizes(self.mesh)[0]
+        return 1 if self.mesh is None else mesh_sizes(self.mesh)[0]
 
     def resolved(self, config: KimiLinearConfig) -> EngineOptions:
         """These options checked, with every default that depends on ``config``, the context
@@ -130,9 +164,9 @@ class EngineOptions:
             return 1
         if not isinstance(mesh, jax.sharding.Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh with axes ('data', "
-                             "'tensor') (hybridattn.sharding.make_mesh)")
-        D, tensor = sharding.mesh_sizes(mesh)
-        sharding.check_divisible(config, D, tensor)
+                             "'tensor') (hybridattn.mesh.make_mesh)")
+        D, tensor = mesh_sizes(mesh)
+        check_divisible(config, D, tensor)
         if prefix_cache:
             raise ValueError("prefix_cache=True is not supported with a mesh: the prefix cache "
                              "(a radix tree over one token pool, with KDA state snapshots) "

@@ -3,7 +3,7 @@
 Plain Python, no JAX: ``hybridattn.engine.scheduler`` makes these, ``hybridattn.engine.runner``
 carries them out on the device (``runner.work_items`` turns a plan into the device's
 ``WorkItem``\\ s). ``Mode`` is a step's kind, with the values of
-``hybridattn.backend.ForwardMode`` (the runner passes ``ForwardMode(plan.mode)``).
+``hybridattn.backends.ForwardMode`` (the runner passes ``ForwardMode(plan.mode)``).
 
 >>> r = Request(rid=0, prompt=[5, 6], max_tokens=2, row=1)
 >>> StepPlan(Mode.EXTEND, ((r, [5, 6]),), (1, 2, 64, 2)).num_tokens

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridattn import sharding
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.buckets import STOP_BUCKETS, bucket
 from hybridattn.engine.plan import (
@@ -38,13 +38,13 @@ from hybridattn.pools import alloc_reqs, free
 from hybridattn.serving import (
     ServingState,
     WorkItem,
-    _padding_unless,
     borrow_prefix,
     decode_steps,
     make_worker_batch,
     release,
     step,
 )
+from hybridattn.serving.decode import _padding_unless
 
 __all__ = ["Follow", "Run", "Runner", "work_items"]
 

@@ -5,31 +5,27 @@
 snapshots (unless their number is given), the rest to MLA token slots (at most every request
 at full context). ``MemoryReport`` says what the pools hold and what a token of context costs.
 
->>> [default_max_running_requests(n) for n in (4096, 1 << 20)]
-[32, 8]
+The defaults of the options themselves (``default_max_running_requests``, ...) are in
+``hybridattn.engine.options``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hybridattn.config import KimiLinearConfig
+from hybridattn.engine.options import EngineOptions, default_max_running_requests
 from hybridattn.models import kimi_linear
 from hybridattn.serving import ServingState
 from servecore import memory as _memory
 from servecore.validate import check_int
 
-if TYPE_CHECKING:
-    from hybridattn.engine.options import EngineOptions
-
-__all__ = ["REQ_TABLE_POSITIONS", "MemoryReport", "PoolSizes", "available_memory_bytes",
-           "default_chunked_prefill_size", "default_max_running_requests", "pool_sizes"]
+__all__ = ["MemoryReport", "PoolSizes", "available_memory_bytes", "pool_sizes"]
 
 
 def available_memory_bytes() -> int:
@@ -41,39 +37,6 @@ def available_memory_bytes() -> int:
     True
     """
     return _memory.available_memory_bytes()
-
-
-REQ_TABLE_POSITIONS = 1 << 23
-"""Positions of the default ``req_to_token`` table: about 32 MiB of int32 (32 rows up to 256k,
-8 at 1M)."""
-
-
-def default_max_running_requests(max_context_len: int) -> int:
-    """The default request rows: 32, fewer when 32 rows of ``max_context_len`` positions would
-    make the ``req_to_token`` table larger than ``REQ_TABLE_POSITIONS`` int32 (32 MiB), and
-    at least one. A row is a whole context of slot ids whether or not a request fills it, so
-    at 1M the default keeps 8 rows (32 MiB) rather than 32 (128 MiB); a 1M context also needs
-    a token pool of that many tokens per running request, which few machines hold 32 times.
-
-    >>> [default_max_running_requests(n) for n in (4096, 1 << 18, 1 << 19, 1 << 20, 1 << 24)]
-    [32, 32, 16, 8, 1]
-    """
-    check_int("max_context_len", max_context_len, 1)
-    return min(32, max(1, REQ_TABLE_POSITIONS // max_context_len))
-
-
-def default_chunked_prefill_size(max_context_len: int) -> int:
-    """The default prompt tokens per step: 256 up to 4096 tokens of context (short prompts,
-    small compiled shapes), 2048 beyond. A long prompt then takes 8x fewer steps, each
-    query tile of the blockwise MLA meets more queries per key block, and fewer width
-    buckets are met: a 64k prompt on the tiny config prefilled in 39 s instead of 48 s and
-    compiled in 67 s instead of 98 (``bench longctx``, docs/benchmarks.md).
-
-    >>> [default_chunked_prefill_size(n) for n in (4096, 4097, 1 << 20)]
-    [256, 2048, 2048]
-    """
-    check_int("max_context_len", max_context_len, 1)
-    return 256 if max_context_len <= 4096 else 2048
 
 
 def _nbytes(x) -> int:

@@ -43,11 +43,11 @@ and :func:`mla_decode` compute the same thing with workspace independent of ``W`
 
 Workspace: one item's scores ``[H, bq, bk]`` and (decompressed) K/V block ``[H, bk, dn + dv]``,
 plus the accumulators ``[H, T + bq, r or dv]``: O(tokens in the batch + bq x bk x H), none of
-it a multiple of ``W``. ``tests/hybridattn/test_mla_blockwise.py`` checks that on the compiled forward of
-a 64k-wide page table.
+it a multiple of ``W``. ``tests/hybridattn/test_mla_blockwise.py`` checks that on the compiled
+forward of a 64k-wide page table.
 
 Measured on a shared 2-core x86 CPU (float32, one request over a 16k cached prefix, blocks and
-query tiles of 512; ``python -m hybridattn.mla_bench forms``, more in ``docs/benchmarks.md``),
+query tiles of 512; ``python -m hybridattn.bench mla forms``, more in ``docs/benchmarks.md``),
 ms per extend, absorbed / decompressed:
 
 - tiny (H=4, dn=dv=16, dr=8, r=32): Q=1 3.5 / 4.7, Q=64 51 / 71, Q=2048 919 / 5,108;

@@ -459,7 +459,8 @@ def test_make_worker_batch_checks_the_same_on_the_host():
 
 # Where the suite's jaxtyping/beartype hook checks an annotation first it raises a TypeError
 # that names the parameter; without the hook (a user's process) the door check's ValueError
-# names the value. The patterns accept either; tests/servecore/test_servecore.py checks the messages.
+# names the value. The patterns accept either; tests/servecore/test_servecore.py checks the
+# messages.
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_k=2**31), r"top_k=2147483648 must be an int in \[0, 2147483647\]"),
     (dict(seed=2**31), "seed=2147483648"),

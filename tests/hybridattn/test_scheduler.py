@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridattn.backend import ForwardMode
+from hybridattn.backends import ForwardMode
 from hybridattn.engine.buckets import ladder
 from hybridattn.engine.plan import Borrow, FreeSlots, Release, Request
 from hybridattn.engine.runner import work_items

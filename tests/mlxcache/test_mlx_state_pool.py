@@ -1,5 +1,5 @@
-"""The state-carrying tree machine of ``tests/servecore/test_radix_states.py`` driving mlxcache's state
-pool: every state handle is a slot of an MLX ``StatePool`` (from a ``SlotAllocator``), written
+"""The state-carrying tree machine of ``tests/servecore/test_radix_states.py`` driving mlxcache's
+state pool: every state handle is a slot of an MLX ``StatePool`` (from a ``SlotAllocator``), written
 with ``set_states`` when the tree takes it and read back with ``get_states`` on every match.
 Checked after every step, besides the tree machine's own invariants: pool functions never
 change their inputs, a match restores exactly the state stored for that depth, and no snapshot
