@@ -17,7 +17,7 @@ and the time to first token with and without reuse, and checks those tokens too.
 (``kimi_linear.load_tokenizer``; as one user message of its chat template when it has one,
 unless ``--ignore-chat-template``), and prints the decoded continuation of each prompt::
 
-    python -m hybridattn.demo --model DIR --prompt "Why is the sky blue?" --max-new-tokens 64
+    python -m hybridattn.demo --model DIR --prompt "Why is the sky blue?" --max-tokens 64
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Kimi-Linear checkpoint directory (default: built-in)")
     p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
+                   help="tokens to generate per request (--max-new-tokens: the old name)")
     p.add_argument("--min-prompt", type=int, default=4)
     p.add_argument("--max-prompt", type=int, default=160)
     p.add_argument("--max-running", type=int, default=8)
@@ -133,7 +134,7 @@ def _round_one(args, config, params, rng) -> tuple[Engine, dict, list, list]:
     the outputs."""
     lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lens]
-    ctx = int(lens.max()) + args.max_new_tokens
+    ctx = int(lens.max()) + args.max_tokens
     ctx = -(-ctx // 64) * 64
     ctx *= 2  # room for the second round's follow-up turns
     R = args.max_running
@@ -145,7 +146,7 @@ def _round_one(args, config, params, rng) -> tuple[Engine, dict, list, list]:
                     snapshot_buckets=(args.chunked_prefill // 32 + 3 * R,),
                     **geometry)
     print(f"serving {args.requests} requests (prompts {lens.min()}-{lens.max()} tokens, "
-          f"{args.max_new_tokens} new each), at most {engine.max_running_requests} at once, "
+          f"{args.max_tokens} new each), at most {engine.max_running_requests} at once, "
           f"prefill chunks of {args.chunked_prefill} tokens")
     print(engine.memory)
     t0 = time.perf_counter()
@@ -153,7 +154,7 @@ def _round_one(args, config, params, rng) -> tuple[Engine, dict, list, list]:
     print(f"compiled the serving step ({engine.stats.num_compilations} compilations) in "
           f"{time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    outputs = engine.generate(prompts, args.max_new_tokens, progress=True)
+    outputs = engine.generate(prompts, args.max_tokens, progress=True)
     _print_round_one(engine, prompts, outputs, time.perf_counter() - t0)
     return engine, geometry, prompts, outputs
 
@@ -190,13 +191,13 @@ def _round_two(args, config, params, engine: Engine, geometry: dict, prompts: li
               for p, o in zip(prompts[: args.requests // 2], outputs, strict=False)]
     siblings = [p[: max(1, 3 * len(p) // 4)] + rng.integers(0, config.vocab_size, 6).tolist()
                 for p in prompts[args.requests // 2:]]
-    second = [p[: ctx - args.max_new_tokens] for p in follow + siblings]
+    second = [p[: ctx - args.max_tokens] for p in follow + siblings]
     engine.reset_stats()
-    again = engine.generate(second, args.max_new_tokens)
+    again = engine.generate(second, args.max_tokens)
     hit = engine.stats
     cold = Engine(config, params, prefix_cache=False, **geometry)
     cold.warmup(progress=True)
-    base = cold.generate(second, args.max_new_tokens)
+    base = cold.generate(second, args.max_tokens)
     print(f"round two, {len(second)} requests sharing prefixes with round one "
           f"({len(follow)} follow-up turns, {len(siblings)} siblings): prefix cache hit rate "
           f"{hit.hit_rate:.0%} ({hit.cached_tokens}/{hit.prompt_tokens} prompt tokens), "
@@ -250,13 +251,13 @@ def _continue(args, config, params, tokenizer, prog: str) -> int:
         # bucket per dimension, so the warmup compiles all there is (two programs)
         ids = encode_prompts(prompts, tokenizer, config.vocab_size)
         R = min(len(ids), args.max_running)
-        ctx = -(-(max(map(len, ids)) + args.max_new_tokens) // 64) * 64
+        ctx = -(-(max(map(len, ids)) + args.max_tokens) // 64) * 64
         engine = Engine(config, params, tokenizer=tokenizer, max_running_requests=R,
                         max_context_len=ctx, chunked_prefill_size=args.chunked_prefill,
                         request_buckets=(R,), token_buckets=(args.chunked_prefill + R,),
                         kv_buckets=(ctx,))
         engine.warmup(progress=True)
-        texts = engine.generate(ids, args.max_new_tokens, text=True, progress=True)
+        texts = engine.generate(ids, args.max_tokens, text=True, progress=True)
     except ValueError as e:  # a prompt or a size the engine refused, named
         raise SystemExit(f"{prog}: error: {e}") from None
     for i, text in enumerate(texts):

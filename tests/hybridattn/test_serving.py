@@ -775,7 +775,7 @@ def test_demo_serves_a_checkpoint_directory(checkpoint, capsys, monkeypatch):
 
     monkeypatch.setenv("HYBRIDATTN_JAX_CACHE", "0")  # keep the suite's compilation cache
 
-    rc = demo.main(["--model", str(checkpoint), "--requests", "3", "--max-new-tokens", "3",
+    rc = demo.main(["--model", str(checkpoint), "--requests", "3", "--max-tokens", "3",
                     "--min-prompt", "2", "--max-prompt", "20", "--max-running", "2",
                     "--chunked-prefill", "16"])
     out = capsys.readouterr().out

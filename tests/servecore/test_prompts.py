@@ -176,7 +176,7 @@ def test_the_demo_prints_the_decoded_continuation(checkpoint, served, capsys, mo
 
     monkeypatch.setenv("HYBRIDATTN_JAX_CACHE", "0")  # keep the suite's compilation cache
     engine, tok = served
-    rc = demo.main(["--model", str(checkpoint), "--prompt", "w7 w8", "--max-new-tokens", "4",
+    rc = demo.main(["--model", str(checkpoint), "--prompt", "w7 w8", "--max-tokens", "4",
                     "--chunked-prefill", "16"])
     out = capsys.readouterr().out
     want = engine.generate([[{"role": "user", "content": "w7 w8"}]], 4, text=True)[0]
