@@ -8,19 +8,22 @@ The rules:
 
 * **The last prompt token always runs**: its logits give the first sampled token, so even a
   full hit recomputes it (its K/V is in the tree already: it needs no new slot).
-* **K/V are borrowed at any depth** (``match``'s ``slots``: every matched token's slot), but
-  a **recurrent state is restored only at the deepest snapshot on ``prompt[:-1]``**: a
-  hybrid model's usable prefix (``cached``) ends there and the tokens after it run again
-  (their K/V stay the tree's). A tree without states has ``cached = min(matched, n - 1)``.
+* **K/V are borrowed at any depth** (``match``'s ``slots``: every matched token's slot, the
+  whole prompt's at most), but a **recurrent state is restored only at the deepest snapshot
+  on ``prompt[:-1]``**: a hybrid model's usable prefix (``cached``) ends there and the tokens
+  after it run again (their K/V stay the tree's). A tree without states has
+  ``cached = min(matched, n - 1)``.
 * ``cached_len`` is ``match``'s ``cached`` from a read-only peek (no split, no LRU touch), for
   a scheduler that orders every waiting request each round.
 * ``make_room``: on a shortfall, evict exactly that much (the least recently used unlocked
-  prefixes), or, when even that would not be enough, evict nothing and let the request wait.
-* ``take_states``: snapshot slots, evicting least recently used unlocked states when none are
-  free; fewer than asked when that is all there is (a snapshot is best effort).
+  prefixes), or, when even that would not be enough, evict nothing and let the request wait
+  (``evict_shortfall`` is the rule alone, for an engine whose device hands out the slots).
+* ``take_states``: snapshot slots, the free ones first, then evicting least recently used
+  unlocked states for the rest; fewer than asked when that is all there is (a snapshot is
+  best effort). ``keep_state`` hangs a snapshot on the tree, or gives it back.
 
-Everything an eviction frees goes back to its store (``give_back``) and is returned, so the
-caller counts it.
+Everything an eviction frees goes back to its store (``give_back``; a ``SlotSink`` is enough)
+and is returned, so the caller counts it.
 
 >>> from servecore.radix import RadixCache
 >>> tree, slots = RadixCache(), ListSlots(8)  # slots 1..7
@@ -43,12 +46,25 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from servecore.radix import Evicted, RadixCache, TreeNode
 
-__all__ = ["ListSlots", "Match", "SlotStore", "cached_len", "give_back", "make_room", "match",
-           "take_states"]
+__all__ = ["ListSlots", "Match", "SlotSink", "SlotStore", "cached_len", "evict_shortfall",
+           "give_back", "keep_state", "make_room", "match", "take_states"]
 
 
 @runtime_checkable
-class SlotStore(Protocol):
+class SlotSink(Protocol):
+    """Where freed slots go back: a ``SlotStore``, or an engine's queue of frees for a device
+    that owns the allocator (``hybridattn``).
+
+    >>> isinstance(ListSlots(4), SlotSink)
+    True
+    """
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Return ``slots`` (each in use)."""
+
+
+@runtime_checkable
+class SlotStore(SlotSink, Protocol):
     """Where an engine keeps its free slots (token slots or snapshot slots).
     ``servecore.snapshots.SnapshotSlots`` is one.
 
@@ -62,9 +78,6 @@ class SlotStore(Protocol):
 
     def take(self, n: int) -> list[int]:
         """``min(n, num_free)`` free slots."""
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots`` (each in use)."""
 
 
 class ListSlots:
@@ -129,13 +142,14 @@ def match(tree: RadixCache, tokens: Sequence[int]) -> Match:
     >>> m = match(tree, [1, 2, 3, 4, 5])  # K/V for 4 tokens, a state at 2
     >>> m.slots, m.cached, m.restore
     ([9, 8, 7, 6], 2, 's2')
-    >>> match(tree, [1, 2]).cached  # a state at the prompt's end: its last token runs again
-    0
+    >>> m = match(tree, [1, 2])  # a state at the prompt's end: its last token runs again
+    >>> m.slots, m.cached  # (its K/V is borrowed all the same)
+    ([9, 8], 0)
     """
+    slots, node, _ = tree.match_prefix(tokens)
     if not tree.states:
-        slots, node, _ = tree.match_prefix(tokens)
         return Match(slots, node, min(len(slots), len(tokens) - 1), None)
-    slots, node, at = tree.match_prefix(tokens[:-1])
+    at = tree.match_prefix(tokens[:-1]).state_node
     if at.parent is None:  # the root: no state on the path, start from the zero state
         return Match(slots, node, 0, None)
     return Match(slots, node, at.depth, at.state)
@@ -155,7 +169,7 @@ def cached_len(tree: RadixCache, tokens: Sequence[int]) -> int:
     return tree.peek(tokens[:-1])[1]
 
 
-def give_back(evicted: Evicted, slots: SlotStore, states: SlotStore | None = None) -> None:
+def give_back(evicted: Evicted, slots: SlotSink, states: SlotSink | None = None) -> None:
     """Return what an eviction freed to its stores (token slots; snapshot handles).
 
     >>> kv = ListSlots(4)
@@ -185,24 +199,41 @@ def make_room(tree: RadixCache, slots: SlotStore, n: int, states: SlotStore | No
     >>> make_room(tree, store, 2)  # 1 free, 1 evictable ([2]; [1] is locked)
     ([2, 3], Evicted(slots=[2], states=[]))
     """
-    none = Evicted([], [])
-    short = n - slots.num_free
-    if short <= 0:
-        return slots.take(n), none
-    if short > tree.evictable_size:
-        return None, none
-    evicted = tree.evict(short)
+    evicted = evict_shortfall(tree, slots.num_free, n)
+    if evicted is None:
+        return None, Evicted([], [])
     give_back(evicted, slots, states)
     if slots.num_free < n:  # unreachable: the evictable prefixes were all evictable
         return None, evicted
     return slots.take(n), evicted
 
 
-def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotStore
+def evict_shortfall(tree: RadixCache, num_free: int, n: int) -> Evicted | None:
+    """What ``make_room`` evicts for ``n`` token slots when ``num_free`` are free: exactly the
+    shortfall (whole least recently used unlocked leaves), nothing when there is none, and
+    None (nothing evicted: wait) when free and evictable slots together are fewer than
+    ``n``. For an engine that counts its free slots but lets its device hand them out; the
+    caller gives the result back (``give_back``).
+
+    >>> tree = RadixCache()
+    >>> tree.insert([1, 2], [5, 6]), tree.insert([3], [7])
+    (0, 0)
+    >>> evict_shortfall(tree, 1, 2), evict_shortfall(tree, 0, 4)
+    (Evicted(slots=[5, 6], states=[]), None)
+    """
+    short = n - num_free
+    if short <= 0:
+        return Evicted([], [])
+    if short > tree.evictable_size:
+        return None
+    return tree.evict(short)
+
+
+def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotSink
                 ) -> tuple[list[int], Evicted]:
-    """Up to ``n`` snapshot slots, evicting the least recently used unlocked states (and the
-    token slots of leaves that go with them, given back to ``slots``) when too few are free;
-    what was evicted.
+    """Up to ``n`` snapshot slots: the free ones first, then, when too few are free, the
+    least recently used unlocked states' (evicted; the token slots of leaves that go with
+    them are given back to ``slots``); what was evicted.
 
     >>> tree, kv, snaps = RadixCache(states=True), ListSlots(8), ListSlots(3)
     >>> tree.insert([1, 2], kv.take(2))
@@ -213,9 +244,27 @@ def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotStore
     >>> take_states(tree, snaps, 1, kv)  # none free: the older state goes ([1] stays)
     ([1], Evicted(slots=[], states=[1]))
     """
-    short = n - states.num_free
-    evicted = Evicted([], [])
-    if short > 0:
-        evicted = tree.evict_states(short)
+    got, evicted = states.take(n), Evicted([], [])
+    if len(got) < n:
+        evicted = tree.evict_states(n - len(got))
         give_back(evicted, slots, states)
-    return states.take(n), evicted
+        got += states.take(n - len(got))
+    return got, evicted
+
+
+def keep_state(tree: RadixCache, tokens: Sequence[int], handle: int, states: SlotSink) -> bool:
+    """Hang snapshot ``handle`` on ``tree`` at ``tokens``' end; give it back to ``states``
+    when the tree has a state there already or lacks the tokens (their K/V were not kept, or
+    were evicted). Whether it was kept.
+
+    >>> tree, snaps = RadixCache(states=True), ListSlots(4)
+    >>> tree.insert([1, 2], [8, 9])
+    0
+    >>> h = snaps.take(2)
+    >>> keep_state(tree, [1], h[0], snaps), keep_state(tree, [1], h[1], snaps), snaps.num_free
+    (True, False, 2)
+    """
+    if tree.add_state(tokens, handle):
+        return True
+    states.give([handle])
+    return False

@@ -7,9 +7,12 @@ from the tree) on the scheduler's queue. The policy:
 
 - Admission matches the prompt, locks the path, lets the row borrow the cached KV and
   restores the deepest snapshot on ``prompt[:-1]`` (the last prompt token always runs: its
-  logits give the first sample); when the token slots are short it evicts unlocked cached
-  prefixes, then admits (or waits when even an empty cache would not make room). A request
-  that would restore a snapshot another prompt has planned but not taken yet waits for it.
+  logits give the first sample); when the token slots are short it evicts exactly the
+  shortfall of unlocked cached prefixes, then admits (or evicts nothing and waits when even
+  an empty cache would not make room). That is ``servecore.prefix``, the policy of both
+  engines (``match``, ``evict_shortfall``, ``take_states``, ``keep_state``); the device
+  frees what the tree evicts (``FreeSlots``). A request that would restore a snapshot
+  another prompt has planned but not taken yet waits for it.
 - The prefill recomputes only the rest, snapshotting on the grid (``snapshot_points``).
   After each chunk that took snapshots (and when the whole prompt has run) the prompt so far
   goes into the tree with them, and the row borrows it from then on.
@@ -28,12 +31,30 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from hybridattn.engine.plan import Borrow, FreeSlots, Request, StepPlan
-from servecore.radix import RadixCache
+from servecore.prefix import evict_shortfall, give_back, keep_state, match, take_states
+from servecore.radix import Evicted, RadixCache
+from servecore.requests import finish_after
 from servecore.snapshots import SnapshotSlots, snapshot_points
 
 __all__ = ["PrefixCache", "SnapshotSlots", "snapshot_points"]
 
 ReadSlots = Callable[[Request, int], Sequence[int]]
+
+
+class DeviceFrees:
+    """Token slots the tree gives back go to the device's allocator, as ``FreeSlots`` ops on
+    the scheduler's queue (a ``servecore.prefix.SlotSink``: the device hands slots out).
+
+    >>> ops = deque(); DeviceFrees(ops).give([4, 5]); ops
+    deque([FreeSlots(slots=(4, 5))])
+    """
+
+    def __init__(self, device_ops: deque):
+        self.device_ops = device_ops
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Queue the freeing of ``slots``."""
+        self.device_ops.append(FreeSlots(tuple(slots)))
 
 
 class PrefixCache:
@@ -61,6 +82,7 @@ class PrefixCache:
         self.snapshot_slots = SnapshotSlots(num_snapshot_slots)
         self.snapshot_interval = snapshot_interval
         self.device_ops = device_ops
+        self.frees = DeviceFrees(device_ops)
         self.snapshots_taken = self.state_evictions = self.token_evictions = 0
 
     @property
@@ -79,31 +101,30 @@ class PrefixCache:
         if self._defer(req, running):
             return None
         tree, L = self.tree, len(req.prompt)
-        kv = tree.match_prefix(req.prompt)
-        st = tree.match_prefix(req.prompt[:-1]).state_node  # logits need the last token run
-        tree.lock(kv.node)
-        P, S = len(kv.slots), st.depth
+        m = match(tree, req.prompt)  # the last token runs: a state at most at L - 1
+        tree.lock(m.node)
+        P, S = len(m.slots), m.cached
         need = L - P + req.max_tokens - 1
-        short = tree.total_size + need - room
-        if short > tree.evictable_size:  # even an empty cache would not make room: wait for
-            tree.unlock(kv.node)          # running requests, and keep the cache as it is
+        evicted = evict_shortfall(tree, room - tree.total_size, need)
+        if evicted is None:  # even an empty cache would not make room: wait for running
+            tree.unlock(m.node)  # requests, and keep the cache as it is
             return None
-        if short > 0:
-            self._evicted(tree.evict(short))
+        self._evicted(evicted)
         points = snapshot_points(L, P, S, self.snapshot_interval)
         # The end of the request, one before the end of the prompt and the branch point may
         # evict older states for their slots (they serve the next turn, a repeat, a sibling);
         # grid points take free slots only, the deepest first.
         key = [p for p in dict.fromkeys((L - 1, P)) if p in points]  # P may be L - 1
-        slots = self._take_snapshot_slots(len(key) + 1)
+        slots, evicted = take_states(tree, self.snapshot_slots, len(key) + 1, self.frees)
+        self._evicted(evicted, given=True)
         req.finish_slot = slots.pop(0) if slots else 0
         grid = sorted((p for p in points if p not in key), reverse=True)
         slots += self.snapshot_slots.take(len(grid))
         req.planned = dict(zip(key + grid, slots, strict=False))
-        req.node, req.borrowed, req.start = kv.node, P, S
-        req.restore = st.state if st.state is not None else 0
+        req.node, req.borrowed, req.start = m.node, P, S
+        req.restore = m.restore if m.restore is not None else 0
         req.owned = need
-        return tuple(kv.slots), S
+        return tuple(m.slots), S
 
     def _defer(self, req: Request, running: Sequence[Request]) -> bool:
         """Wait while a prompt still prefilling will put a snapshot (planned, not taken yet)
@@ -120,22 +141,13 @@ class PrefixCache:
                 return True
         return False
 
-    def _take_snapshot_slots(self, n: int) -> list[int]:
-        slots = self.snapshot_slots.take(n)
-        if len(slots) < n:
-            self._evicted(self.tree.evict_states(n - len(slots)))
-            slots += self.snapshot_slots.take(n - len(slots))
-        return slots
-
-    def _evicted(self, freed) -> None:
-        """Give what the tree evicted back: token slots through the device queue, snapshot
-        slots to the free list."""
-        if freed.slots:
-            self.device_ops.append(FreeSlots(tuple(freed.slots)))
-            self.token_evictions += len(freed.slots)
-        if freed.states:
-            self.snapshot_slots.give(freed.states)
-            self.state_evictions += len(freed.states)
+    def _evicted(self, freed: Evicted, given: bool = False) -> None:
+        """Count what the tree evicted and (unless ``given`` already) give it back: token
+        slots through the device queue, snapshot slots to the free list."""
+        if not given:
+            give_back(freed, self.frees, self.snapshot_slots)
+        self.token_evictions += len(freed.slots)
+        self.state_evictions += len(freed.states)
 
     def reset(self) -> None:
         """Evict every cached prefix and snapshot no running request holds (the token slots
@@ -174,8 +186,7 @@ class PrefixCache:
             took = bool(plan.snapshots and plan.snapshots[i])
             inserts = r.prefilling and (took or after >= len(r.prompt))
             samples = after >= len(r.prompt) and not r.finished
-            finishes = samples and (int(tok) in r.stop_token_ids
-                                    or len(r.output) + 1 >= r.max_tokens)
+            finishes = samples and finish_after(len(r.output) + 1, int(tok), r) is not None
             if inserts or finishes:
                 rows[r.rid] = list(read_slots(r, after))
         return lambda r, n: rows[r.rid][:n]
@@ -211,11 +222,8 @@ class PrefixCache:
 
     def _add_taken_states(self, r: Request) -> None:
         """The snapshots ``r`` took go into the tree, at depths its prompt path reaches."""
-        for d, s in sorted(r.taken.items()):
-            if self.tree.add_state(r.prompt[:d], s):
-                self.snapshots_taken += 1
-            else:  # a concurrent request put a state there first
-                self.snapshot_slots.give([s])
+        for d, s in sorted(r.taken.items()):  # given back: a concurrent request put one first
+            self.snapshots_taken += keep_state(self.tree, r.prompt[:d], s, self.snapshot_slots)
         r.taken = {}
 
     def insert_answer(self, r: Request, read_slots: ReadSlots) -> None:
@@ -230,9 +238,7 @@ class PrefixCache:
 
     def released(self, r: Request) -> None:
         """``r``'s row was released, its end snapshot written: it goes into the tree."""
-        if r.end_depth:
-            if self.tree.add_state(r.tokens[: r.end_depth], r.finish_slot):
-                self.snapshots_taken += 1
-            else:  # the tree has a state there already, or evicted that path
-                self.snapshot_slots.give([r.finish_slot])
+        if r.end_depth:  # given back: the tree has a state there already, or evicted the path
+            self.snapshots_taken += keep_state(self.tree, r.tokens[: r.end_depth],
+                                               r.finish_slot, self.snapshot_slots)
             r.finish_slot, r.end_depth = 0, 0

@@ -51,7 +51,15 @@ from mlxcache.pool import (
     set_kv_all_layers,
     set_states,
 )
-from servecore.prefix import Match, cached_len, give_back, make_room, match, take_states
+from servecore.prefix import (
+    Match,
+    cached_len,
+    give_back,
+    keep_state,
+    make_room,
+    match,
+    take_states,
+)
 from servecore.radix import Evicted, RadixCache, TreeNode
 from servecore.snapshots import snapshot_points
 
@@ -349,8 +357,7 @@ class PrefixStore:
     def add_state(self, tokens: list[int], slot: int) -> None:
         """Hang snapshot ``slot`` on the tree at ``tokens``' end; give it back if the tree
         has a state there already (or lacks the tokens: their K/V were not kept)."""
-        if not self.tree.add_state(tokens, slot):
-            self.state_slots.give([slot])
+        keep_state(self.tree, tokens, slot, self.state_slots)
 
     def insert(self, tokens: list[int], slots: list[int], owned: int) -> None:
         """Insert ``tokens``; ``slots[:owned]`` are the tree's already, the rest are ours.

@@ -12,7 +12,17 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servecore.prefix import ListSlots, SlotStore, cached_len, make_room, match, take_states
+from servecore.prefix import (
+    ListSlots,
+    SlotSink,
+    SlotStore,
+    cached_len,
+    evict_shortfall,
+    keep_state,
+    make_room,
+    match,
+    take_states,
+)
 from servecore.radix import RadixCache
 from servecore.snapshots import SnapshotSlots
 
@@ -52,6 +62,7 @@ def test_the_last_prompt_token_always_runs_and_peek_agrees(data, states, prompt)
     m = match(tree, prompt)
     assert m.cached == want <= len(prompt) - 1
     assert len(m.slots) >= m.cached  # K/V borrowed at least as deep as the usable prefix
+    assert len(m.slots) == tree.peek(prompt)[0]  # ... and as deep as the tree has the prompt
     if not states:
         assert m.restore is None and m.cached == min(len(m.slots), len(prompt) - 1)
 
@@ -100,6 +111,42 @@ def test_make_room_evicts_only_for_the_shortfall_or_nothing(data, states, n):
         assert len(evicted.slots) >= n - free
         assert len(evicted.slots) < n - free + 7
     assert kv.num_free + n + len(tree.all_slots()) == before[1] + len(before[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), states=st.booleans(), free=st.integers(0, 8), n=st.integers(0, 70))
+def test_evict_shortfall_is_make_rooms_rule_without_the_store(data, states, free, n):
+    tree, _, _ = data.draw(trees(states))
+    size, evictable = tree.total_size, tree.evictable_size
+    evicted = evict_shortfall(tree, free, n)
+    if evicted is None:
+        assert n - free > evictable and tree.total_size == size
+    elif n <= free:
+        assert evicted == ([], []) and tree.total_size == size
+    else:
+        assert n - free <= len(evicted.slots) == size - tree.total_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(0, 4))
+def test_take_states_hands_out_free_slots_before_evicting(data, n):
+    tree, kv, snaps = data.draw(trees(True))
+    free = snaps.num_free
+    got, evicted = take_states(tree, snaps, n, kv)
+    if n <= free:
+        assert not evicted.states and len(got) == n
+    else:  # every free slot first, then what the eviction freed
+        assert set(got[free:]) == set(evicted.states) and len(got) == free + len(evicted.states)
+
+
+def test_keep_state_hangs_a_snapshot_once_or_gives_it_back():
+    tree, kv, snaps = RadixCache(states=True), ListSlots(8), ListSlots(4)
+    tree.insert([1, 2, 3], kv.take(3))
+    a, b, c = snaps.take(3)
+    assert keep_state(tree, [1, 2], a, snaps) and match(tree, [1, 2, 3]).restore == a
+    assert not keep_state(tree, [1, 2], b, snaps)  # a state is there already
+    assert not keep_state(tree, [7], c, snaps)  # the tree lacks the tokens
+    assert snaps.num_free == 2 and isinstance(kv, SlotSink)
 
 
 @settings(max_examples=100, deadline=None)
