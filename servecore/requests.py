@@ -16,7 +16,8 @@ NumPy array) with one per prompt. All of it is checked before anything is queued
 ``ValueError`` names the bad value and the prompt it belongs to, and then nothing has changed.
 
 A request has finished when its output reached ``max_tokens`` or ends with a stop token
-(``finish_reason``).
+(``finish_reason``; ``finish_after`` when only the output's length and last token are at hand,
+as in ``hybridattn``'s scheduler, whose requests carry ``max_tokens`` and ``stop`` alike).
 
 >>> build = RequestBuilder(vocab_size=16, eos_ids=frozenset({1}))
 >>> [r.max_tokens for r in build([[3, 4], [5]], [2, 3])]
@@ -44,8 +45,8 @@ from servecore.prompts import encode_prompt
 from servecore.sampling import SamplingParams
 from servecore.validate import check_int, prompt_list, stop_ids
 
-__all__ = ["DEFAULT_MAX_TOKENS", "GenerationRequest", "RequestBuilder", "finish_reason",
-           "per_prompt"]
+__all__ = ["DEFAULT_MAX_TOKENS", "GenerationRequest", "RequestBuilder", "finish_after",
+           "finish_reason", "per_prompt"]
 
 DEFAULT_MAX_TOKENS = 256
 """``max_tokens`` when a call does not give it."""
@@ -80,9 +81,21 @@ def finish_reason(output: Sequence[int], request: GenerationRequest) -> str | No
     >>> finish_reason([], r), finish_reason([7], r), finish_reason([3, 4], r)
     (None, 'stop', 'length')
     """
-    if output and output[-1] in request.stop:
+    return finish_after(len(output), output[-1] if output else None, request)
+
+
+def finish_after(count: int, last: int | None, request: GenerationRequest) -> str | None:
+    """``finish_reason`` of an output of ``count`` tokens that ends with ``last`` (None: no
+    output yet), without the output itself: a stop token first, then the length. ``request``
+    is anything with ``max_tokens`` and ``stop``.
+
+    >>> r = GenerationRequest([1], 2, SamplingParams(), frozenset({7}))
+    >>> [finish_after(n, last, r) for n, last in [(1, 7), (2, 7), (2, 3), (0, None)]]
+    ['stop', 'stop', 'length', None]
+    """
+    if count and last in request.stop:
         return "stop"
-    if len(output) >= request.max_tokens:
+    if count >= request.max_tokens:
         return "length"
     return None
 

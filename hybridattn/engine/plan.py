@@ -85,6 +85,11 @@ class Request:
         return len(self.prompt) + self.max_tokens - 1
 
     @property
+    def stop(self) -> frozenset:
+        """``stop_token_ids``, under the name ``servecore.requests.finish_reason`` reads."""
+        return self.stop_token_ids
+
+    @property
     def tokens(self) -> list[int]:
         """Prompt and generated tokens so far."""
         return self.prompt + self.output

@@ -73,6 +73,7 @@ from hybridattn.engine.plan import (
     StepPlan,
 )
 from hybridattn.engine.prefix_cache import PrefixCache
+from servecore.requests import finish_reason
 
 __all__ = ["Scheduler", "ShardedScheduler"]
 
@@ -308,10 +309,7 @@ class Scheduler:
                 continue
             tok = int(tok)
             r.output.append(tok)
-            if tok in r.stop_token_ids:
-                r.finish_reason = "stop"
-            elif len(r.output) >= r.max_tokens:
-                r.finish_reason = "length"
+            r.finish_reason = finish_reason(r.output, r)  # the rule of both engines
             events.append((r.rid, tok, r.finished))
             if r.finished:
                 done.append(r)
