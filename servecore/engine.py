@@ -19,6 +19,9 @@ The core's promises:
   emits ``Event(rid, None, True, error)`` for each, then raises the exception.
 * ``has_work()``: whether any request is queued, running or has tokens in flight.
 
+An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of its core's
+parts (``delegate``).
+
 >>> Event(3, 17, False)
 Event(rid=3, token=17, finished=False, error=None)
 """
@@ -26,11 +29,13 @@ Event(rid=3, token=17, finished=False, error=None)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from servecore.requests import GenerationRequest
 
-__all__ = ["EngineCore", "Event"]
+__all__ = ["EngineCore", "Event", "delegate"]
+
+_REQUIRED = object()
 
 
 class Event(NamedTuple):
@@ -71,3 +76,31 @@ class EngineCore(Protocol):
 
     def has_work(self) -> bool:
         """Whether any request is queued, running or has tokens in flight."""
+
+
+def delegate(path: str, doc: str, *, missing: Any = _REQUIRED) -> property:
+    """A read-only property that reads ``path`` (dotted attribute names) off the instance: a
+    facade's view of a part of its core. With ``missing``, a part that is None on the way
+    (an engine without a prefix cache) gives ``missing`` instead.
+
+    >>> class Core:
+    ...     store = None
+    ...     waiting = [1, 2]
+    >>> class Facade:
+    ...     core = Core()
+    ...     waiting = delegate("core.waiting", "Queued requests.")
+    ...     num_slots = delegate("core.store.num_slots", "Pool slots.", missing=0)
+    >>> Facade().waiting, Facade().num_slots, Facade.num_slots.__doc__
+    ([1, 2], 0, 'Pool slots.')
+    """
+    names = path.split(".")
+
+    def get(self: Any) -> Any:
+        x = self
+        for name in names:
+            if x is None and missing is not _REQUIRED:
+                return missing
+            x = getattr(x, name)
+        return x
+
+    return property(get, doc=doc)

@@ -27,10 +27,9 @@ from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.core import Core, build_core
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
-from hybridattn.engine.stats import EngineStats
 from hybridattn.models import kimi_linear
 from hybridattn.models.kimi_linear.params import _check_supported
-from hybridattn.serving import ServingState
+from servecore.engine import delegate
 from servecore.prompts import Prompt
 from servecore.requests import RequestBuilder
 from servecore.streams import Stream, Streams, _max_tokens
@@ -284,46 +283,23 @@ class Engine:
 
     # ------------------------------------------------------------- the core's state ----
 
-    @property
-    def state(self) -> ServingState:
-        """The ``ServingState`` (pools) the steps update."""
-        return self.core.runner.state
-
-    @property
-    def params(self) -> Any:
-        """The parameters in the engine's layout (stacked, placed)."""
-        return self.core.runner.params
-
-    @property
-    def stats(self) -> EngineStats:
-        """``EngineStats``: throughput, TTFT, compilations and buckets."""
-        return self.core.stats
-
-    @property
-    def tree(self):
-        """The prefix cache's radix tree (``servecore.radix.RadixCache``; None without a
-        cache). Read it (``tree.pretty()``); do not modify it."""
-        return self.scheduler.tree
-
-    @property
-    def num_running(self) -> int:
-        """Admitted requests (holding a row and their token-slot reservation)."""
-        return self.scheduler.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        """Queued requests not admitted yet."""
-        return self.scheduler.num_waiting
+    state = delegate("core.runner.state", "The ``ServingState`` (pools) the steps update.")
+    params = delegate("core.runner.params",
+                      "The parameters in the engine's layout (stacked, placed).")
+    stats = delegate("core.stats", "``EngineStats``: throughput, TTFT, compilations and buckets.")
+    tree = delegate("scheduler.tree",
+                    "The prefix cache's radix tree (``servecore.radix.RadixCache``; None "
+                    "without a cache). Read it (``tree.pretty()``); do not modify it.")
+    num_running = delegate("scheduler.num_running",
+                           "Admitted requests (holding a row and their token-slot reservation).")
+    num_waiting = delegate("scheduler.num_waiting", "Queued requests not admitted yet.")
+    num_cached_slots = delegate("scheduler.cached_size",
+                                "Token slots the prefix cache holds (0 without it).")
 
     @property
     def num_free_slots(self) -> int:
         """Token slots neither held by a request nor by the prefix cache (a device read)."""
         return int(np.sum(self.state.token_allocator.num_free))  # summed over data shards
-
-    @property
-    def num_cached_slots(self) -> int:
-        """Token slots the prefix cache holds (0 without it)."""
-        return self.scheduler.cached_size
 
     # ---------------------------------------------------------------- the contract ----
 

@@ -21,9 +21,8 @@ from mlxcache.engine.options import check_options
 from mlxcache.engine.runner import Runner
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import ReuseDisabledWarning, Support
-from mlxcache.layers import Layout
+from servecore.engine import delegate
 from servecore.prompts import Prompt
-from servecore.radix import RadixCache
 from servecore.requests import GenerationRequest, RequestBuilder
 from servecore.streams import Stream, Streams
 from servecore.validate import check_int, eos_token_ids
@@ -148,79 +147,54 @@ class Engine:
 
     # ------------------------------------------------------------------ the model ----
 
-    page_size = property(lambda self: self.options.page_size, doc="Radix tree page, tokens.")
-    max_batch_size = property(lambda self: self.options.max_batch_size,
-                              doc="Most requests decoded at once.")
-    prefill_step_size = property(lambda self: self.options.prefill_step_size,
-                                 doc="Most tokens in one prefill forward.")
-    snapshot_interval = property(lambda self: self.options.snapshot_interval,
-                                 doc="Hybrid models: the grid of snapshot depths.")
-    supported = property(lambda self: self.support.supported,
-                         doc="Served with the engine's own caches (``Support.supported``).")
-    reuse = property(lambda self: self.support.reuse, doc="Prefix reuse (``Support.reuse``).")
-    batched = property(lambda self: self.support.batched,
-                       doc="Many requests per forward (``Support.batched``).")
-    has_states = property(lambda self: self.support.has_states,
-                          doc="Recurrent layers, snapshotted (``Support.has_states``).")
-    pads_exactly = property(lambda self: self.support.pads_exactly,
-                            doc="A prefill row may be padded part-way.")
-
-    @property
-    def prefill_batch_tokens(self) -> int:
-        """Most uncached tokens admitted into one prefill batch."""
-        return self.core.admission.prefill_batch_tokens
-
-    @property
-    def layout(self) -> Layout:
-        """The model's caches (``mlxcache.layers.Layout``)."""
-        return self.support.layout
+    page_size = delegate("options.page_size", "Radix tree page, tokens.")
+    max_batch_size = delegate("options.max_batch_size", "Most requests decoded at once.")
+    prefill_step_size = delegate("options.prefill_step_size",
+                                 "Most tokens in one prefill forward.")
+    snapshot_interval = delegate("options.snapshot_interval",
+                                 "Hybrid models: the grid of snapshot depths.")
+    supported = delegate("support.supported",
+                         "Served with the engine's own caches (``Support.supported``).")
+    reuse = delegate("support.reuse", "Prefix reuse (``Support.reuse``).")
+    batched = delegate("support.batched", "Many requests per forward (``Support.batched``).")
+    has_states = delegate("support.has_states",
+                          "Recurrent layers, snapshotted (``Support.has_states``).")
+    pads_exactly = delegate("support.pads_exactly", "A prefill row may be padded part-way.")
+    prefill_batch_tokens = delegate("core.admission.prefill_batch_tokens",
+                                    "Most uncached tokens admitted into one prefill batch.")
+    layout = delegate("support.layout", "The model's caches (``mlxcache.layers.Layout``).")
+    cache_kinds = delegate("support.layout.kinds", "Every cache kind the model uses, by name.")
 
     @property
     def num_layers(self) -> int:
         """The model's layers (cache entries)."""
         return len(self.layout.entries)
 
-    @property
-    def cache_kinds(self) -> tuple[str, ...]:
-        """Every cache kind the model uses, by name."""
-        return self.layout.kinds
-
     # ------------------------------------------------------------------- the cache ----
+    # Without reuse there is no store: sizes are 0, the tree None.
 
-    @property
-    def num_slots(self) -> int:
-        """Pool size in slots (0 without reuse)."""
-        return self.core.store.num_slots if self.core.store is not None else 0
-
-    @property
-    def num_free_slots(self) -> int:
-        """Pool slots not held by the radix tree nor by a running request (0 without reuse)."""
-        return self.core.store.num_free_slots if self.core.store is not None else 0
-
-    @property
-    def num_snapshots(self) -> int:
-        """State pool size in snapshot slots (0 without states or reuse)."""
-        return self.core.store.num_snapshots if self.core.store is not None else 0
-
-    @property
-    def num_free_snapshots(self) -> int:
-        """Snapshot slots not held by the radix tree."""
-        return self.core.store.num_free_snapshots if self.core.store is not None else 0
-
-    @property
-    def snapshot_bytes(self) -> int:
-        """Bytes of one snapshot: every recurrent layer's state arrays of one request."""
-        return self.core.store.snapshot_bytes if self.core.store is not None else 0
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes of the KV pool and the state pool together (fixed at construction)."""
-        return self.core.store.cache_bytes if self.core.store is not None else 0
-
-    @property
-    def tree(self) -> RadixCache | None:
-        """The radix tree (None without reuse). Read it; do not modify it."""
-        return self.core.store.tree if self.core.store is not None else None
+    num_slots = delegate("core.store.num_slots", "Pool size in slots (0 without reuse).",
+                         missing=0)
+    num_free_slots = delegate(
+        "core.store.num_free_slots",
+        "Pool slots not held by the radix tree nor by a running request (0 without reuse).",
+        missing=0)
+    num_snapshots = delegate("core.store.num_snapshots",
+                             "State pool size in snapshot slots (0 without states or reuse).",
+                             missing=0)
+    num_free_snapshots = delegate("core.store.num_free_snapshots",
+                                  "Snapshot slots not held by the radix tree.", missing=0)
+    snapshot_bytes = delegate(
+        "core.store.snapshot_bytes",
+        "Bytes of one snapshot: every recurrent layer's state arrays of one request.",
+        missing=0)
+    cache_bytes = delegate(
+        "core.store.cache_bytes",
+        "Bytes of the KV pool and the state pool together (fixed at construction).",
+        missing=0)
+    tree = delegate("core.store.tree",
+                    "The radix tree (None without reuse). Read it; do not modify it.",
+                    missing=None)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix that no running request holds: evict all that is

@@ -51,6 +51,7 @@ from mlxcache.pool import (
     set_kv_all_layers,
     set_states,
 )
+from servecore.engine import delegate
 from servecore.prefix import (
     Match,
     cached_len,
@@ -161,30 +162,17 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ sizes ----
 
-    @property
-    def num_slots(self) -> int:
-        """KV pool size in slots."""
-        return self.pool.num_slots
-
-    @property
-    def num_free_slots(self) -> int:
-        """Slots held by neither the tree nor a running request."""
-        return self.slots.num_free
-
-    @property
-    def num_snapshots(self) -> int:
-        """State pool size in snapshot slots (0 without states)."""
-        return self.states.num_slots if self.states is not None else 0
-
-    @property
-    def num_free_snapshots(self) -> int:
-        """Snapshot slots not held by the tree."""
-        return self.state_slots.num_free if self.state_slots is not None else 0
-
-    @property
-    def snapshot_bytes(self) -> int:
-        """Bytes of one snapshot: every recurrent layer's state arrays of one request."""
-        return self.states.bytes_per_slot if self.states is not None else 0
+    num_slots = delegate("pool.num_slots", "KV pool size in slots.")
+    num_free_slots = delegate("slots.num_free",
+                              "Slots held by neither the tree nor a running request.")
+    num_snapshots = delegate("states.num_slots",
+                             "State pool size in snapshot slots (0 without states).", missing=0)
+    num_free_snapshots = delegate("state_slots.num_free", "Snapshot slots not held by the tree.",
+                                  missing=0)
+    snapshot_bytes = delegate(
+        "states.bytes_per_slot",
+        "Bytes of one snapshot: every recurrent layer's state arrays of one request.",
+        missing=0)
 
     @property
     def cache_bytes(self) -> int:
