@@ -36,7 +36,9 @@ class ServingStats:
     ``prefill_tokens``: prompt tokens run through the model; ``prefill_seconds``: time of the
     steps that ran prompt tokens; ``decode_tokens`` / ``decode_seconds``: tokens and time of
     steps that ran no prompt token; ``token_evictions``: token slots the prefix cache evicted;
-    ``ttft``: seconds from each request's arrival to its first token.
+    ``snapshots_taken`` / ``state_evictions``: recurrent-state snapshots the prefix cache
+    stored / evicted (0 for a model without recurrent layers); ``ttft``: seconds from each
+    request's arrival to its first token.
 
     >>> ServingStats(prompt_tokens=10, prefill_tokens=10, prefill_seconds=0.1).prefill_tok_s
     100.0
@@ -50,6 +52,8 @@ class ServingStats:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     token_evictions: int = 0
+    snapshots_taken: int = 0
+    state_evictions: int = 0
     ttft: list[float] = dataclasses.field(default_factory=list)
 
     @property

@@ -21,12 +21,12 @@ class EngineStats(ServingStats):
     ``mlxcache.EngineStats``. Steps that compiled are left out of the throughput figures.
     ``prefill_*``: steps that ran prompt tokens (decodes riding along in the same mixed step
     are not counted as tokens, but their time is here); ``decode_*``: pure decode steps.
-    Here: ``steps`` (device steps: a multi-step decode dispatch counts each step it ran);
-    ``decode_rounds``: the pure-decode dispatches (rounds) among them; ``snapshots_taken`` /
-    ``state_evictions``: KDA state snapshots the prefix cache stored / evicted;
-    ``num_compilations``: compilations this engine needed (its own count: the step, one per
-    new shape bucket, plus row allocation and release; JAX may load one from its cache when
-    another engine of the same geometry compiled it); ``buckets``: the
+    ``snapshots_taken`` / ``state_evictions`` count KDA state snapshots. Here: ``steps``
+    (device steps: a multi-step decode dispatch counts each step it ran); ``decode_rounds``:
+    the pure-decode dispatches (rounds) among them; ``num_compilations``: compilations this
+    engine needed (its own count: the step, one per new shape bucket, plus row allocation
+    and release; JAX may load one from its cache when another engine of the same geometry
+    compiled it); ``buckets``: the
     ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
     new to it, ``bucket_compile_seconds`` each of those to the wall time of the step that
     compiled it (tracing, lowering, compiling and its first run; ``compile_seconds`` is their
@@ -54,8 +54,6 @@ class EngineStats(ServingStats):
 
     steps: int = 0
     decode_rounds: int = 0
-    snapshots_taken: int = 0
-    state_evictions: int = 0
     num_compilations: int = 0
     compile_seconds: float = 0.0
     buckets: set = dataclasses.field(default_factory=set)  # step shape buckets used

@@ -36,8 +36,6 @@ class EngineStats(ServingStats):
         (0.3, 0.0)
 
     Hybrid models also count ``snapshots_taken`` (recurrent-state snapshots stored in the
-    state pool) and ``state_evictions`` (snapshots evicted to make room).
+    state pool) and ``state_evictions`` (snapshots evicted to make room); every counter is
+    ``ServingStats``'s.
     """
-
-    snapshots_taken: int = 0
-    state_evictions: int = 0
