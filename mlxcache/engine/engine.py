@@ -179,13 +179,13 @@ class Engine:
         "core.store.num_free_slots",
         "Pool slots not held by the radix tree nor by a running request (0 without reuse).",
         missing=0)
-    num_snapshots = delegate("core.store.num_snapshots",
+    num_snapshots = delegate("core.store.states.num_slots",
                              "State pool size in snapshot slots (0 without states or reuse).",
                              missing=0)
-    num_free_snapshots = delegate("core.store.num_free_snapshots",
+    num_free_snapshots = delegate("core.store.state_slots.num_free",
                                   "Snapshot slots not held by the radix tree.", missing=0)
     snapshot_bytes = delegate(
-        "core.store.snapshot_bytes",
+        "core.store.states.bytes_per_slot",
         "Bytes of one snapshot: every recurrent layer's state arrays of one request.",
         missing=0)
     cache_bytes = delegate(

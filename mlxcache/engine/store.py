@@ -156,7 +156,7 @@ class PrefixStore:
             "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d attention layers, %d kv "
             "heads, head_dim %d, %s, page_size %d; state pool %d snapshots x %d B",
             sizes.num_slots, per_slot, sizes.num_slots * per_slot / 2**30, sizes.origin, n_kv,
-            heads, head_dim, dtype, opts.page_size, store.num_snapshots, store.snapshot_bytes,
+            heads, head_dim, dtype, opts.page_size, sizes.num_snapshots, per_snapshot,
         )  # fmt: skip
         return store
 
@@ -165,14 +165,6 @@ class PrefixStore:
     num_slots = delegate("pool.num_slots", "KV pool size in slots.")
     num_free_slots = delegate("slots.num_free",
                               "Slots held by neither the tree nor a running request.")
-    num_snapshots = delegate("states.num_slots",
-                             "State pool size in snapshot slots (0 without states).", missing=0)
-    num_free_snapshots = delegate("state_slots.num_free", "Snapshot slots not held by the tree.",
-                                  missing=0)
-    snapshot_bytes = delegate(
-        "states.bytes_per_slot",
-        "Bytes of one snapshot: every recurrent layer's state arrays of one request.",
-        missing=0)
 
     @property
     def cache_bytes(self) -> int:
