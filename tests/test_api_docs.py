@@ -48,6 +48,7 @@ HYBRIDATTN_API = [
     "hybridattn.engine.core",
     "hybridattn.engine.runner",
     "hybridattn.engine.commit",
+    "hybridattn.engine.slots",
     "hybridattn.engine.stats",
     "hybridattn.models.kimi_linear",
     "hybridattn.models.kimi_linear.params",

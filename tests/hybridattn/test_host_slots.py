@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import CFG, PARAMS, STEP, prompts_of, state_with_rows
+import pytest
+from harness import CFG, PARAMS, STEP, assert_whole, engine, prompts_of, state_with_rows
 
 from hybridattn import serving as S
 from hybridattn import testing
@@ -24,7 +25,9 @@ from hybridattn.pools import (
     claim,
     claim_reqs,
     free,
+    requests,
 )
+from hybridattn.serving import one_step
 
 BUCKET = dict(vocab_size=CFG.vocab_size, max_context_len=96, num_requests=4, num_tokens=80,
               kv_width=96, max_extend_len=80)
@@ -97,11 +100,11 @@ def test_step_on_chosen_slots_is_the_allocators_step():
         np.testing.assert_array_equal(x, y)
     # other slots: the same tokens and logits, the table and allocator say where they went
     other = [list(range(300, 289, -1)), list(range(100, 160, 2))]
-    ref = testing.RefServingPools.from_state(state)
+    model = testing.RefServingPools.from_state(state)
     batch = S.make_worker_batch(_items(rows, prompts, other), **BUCKET)
     new, out = STEP(PARAMS, state, batch)
     assert bool(out.ok)
-    ref.step(batch, new, out.ok)  # the reference model of the pools agrees
+    model.step(batch, new, out.ok)  # the reference model of the pools agrees
     np.testing.assert_array_equal(out.next_token_ids, ref.next_token_ids)
     np.testing.assert_array_equal(out.logits, ref.logits)
     table = np.asarray(new.req_to_token_pool.req_to_token)
@@ -112,10 +115,10 @@ def test_step_on_chosen_slots_is_the_allocators_step():
     batch = S.make_worker_batch(
         [S.WorkItem(r, n, p, token_slots=s) for r, n, p, s in
          zip(rows, (11, 30), prompts_of([11, 30], seed=1), taken, strict=True)], **BUCKET)
-    assert not ref.expect_ok(batch)
+    assert not model.expect_ok(batch)
     bad, out = STEP(PARAMS, new, batch)
     assert not bool(out.ok)
-    ref.step(batch, bad, out.ok)
+    model.step(batch, bad, out.ok)
     assert _free_set(bad.token_allocator) == _free_set(new.token_allocator)
     np.testing.assert_array_equal(bad.req_to_token_pool.req_to_token, table)
 
@@ -154,3 +157,46 @@ def test_allocating_alloc_keeps_order_after_claim():
     assert bool(ok)
     assert alloc(b, 4, max_count=4)[1].tolist() == [3, 5, 6, 7]
 
+
+def _device_free(eng) -> list[int]:
+    return _free_set(eng.core.runner.state.token_allocator)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_chooses_every_row_and_slot_on_the_host(monkeypatch, decode_steps):
+    """The engine path never runs a device allocator (a spy on every allocation the step,
+    the rows and the sharded rows could trace), and the host's free lists stay the device's
+    free sets through prefix-cache hits, multi-step decodes, stops and an abort."""
+    calls = []
+
+    def spy(real):
+        return lambda *a, **k: (calls.append(real.__name__), real(*a, **k))[1]
+
+    monkeypatch.setattr(one_step, "alloc", spy(one_step.alloc))
+    monkeypatch.setattr(requests, "alloc", spy(requests.alloc))
+    jax.clear_caches()  # trace the engine's functions again, under the spies
+    eng = engine(snapshot_interval=32, num_snapshot_slots=41, decode_steps=decode_steps)
+    runner = eng.core.runner
+    shared = prompts_of([40], seed=3)[0]
+    prompts = [shared + p for p in prompts_of([5, 9, 20], seed=4)] + prompts_of([7], seed=5)
+    first = eng.generate(prompts, 6)
+    assert sorted(runner.token_slots.free) == _device_free(eng)
+    again = eng.generate(prompts[:2], 6)  # cache hits
+    assert again == first[:2]
+    assert sorted(runner.token_slots.free) == _device_free(eng)
+    rid = eng.add_request(prompts[2], 30)
+    eng.add_request(prompts[3], 8)
+    for _ in range(3):
+        eng.step()
+    eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    assert sorted(runner.token_slots.free) == _device_free(eng)
+    pool = runner.state.req_to_token_pool
+    assert sorted(runner.free_rows) == _free_set(pool.allocator)
+    assert_whole(eng)
+    assert calls == []
+    state, rows = state_with_rows(1)  # the spies see a step that allocates
+    jax.jit(S.step)(PARAMS, state, S.make_worker_batch([S.WorkItem(rows[0], 0, [1, 2])],
+                                                       **BUCKET))
+    assert calls.count("alloc") >= 1
