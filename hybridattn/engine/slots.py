@@ -60,20 +60,17 @@ class TokenSlots:
     def _extend(self, req: Request, at: int, n: int) -> list[int]:
         """Slots for ``req``'s positions ``at .. at + n - 1`` (0 below what its row borrows,
         which the step writes to the sink), recorded in its ``row_slots``."""
-        have = req.row_slots
-        out = []
-        for p in range(at, at + n):
-            if p < self.borrowed[req.row]:
-                out.append(0)
-                continue
-            if p != len(have):  # cannot happen: positions are planned in order
-                raise RuntimeError(f"request {req.rid}: a slot for position {p} but its row "
-                                   f"holds {len(have)}")
-            if not self.free:  # cannot happen: admission reserved the request's life
-                raise RuntimeError("token slots ran out despite the reservation")
-            have.append(self.free.pop())
-            out.append(have[-1])
-        return out
+        have, lo = req.row_slots, min(max(at, self.borrowed[req.row]), at + n)
+        k = at + n - lo  # fresh positions lo .. at + n - 1; below lo the row borrows
+        if k and lo != len(have):  # cannot happen: positions are planned in order
+            raise RuntimeError(f"request {req.rid}: a slot for position {lo} but its row "
+                               f"holds {len(have)}")
+        if k > len(self.free):  # cannot happen: admission reserved the request's life
+            raise RuntimeError("token slots ran out despite the reservation")
+        got = self.free[len(self.free) - k:][::-1]  # popped from the end, in order
+        del self.free[len(self.free) - k:]
+        have.extend(got)
+        return [0] * (lo - at) + got
 
     def take(self, plan: StepPlan, limits: Sequence[int] | None = None):
         """Choose the slots of ``plan``'s tokens: per work item a list (one step), or with
