@@ -48,7 +48,6 @@ HYBRIDATTN_API = [
     "hybridattn.engine.core",
     "hybridattn.engine.runner",
     "hybridattn.engine.commit",
-    "hybridattn.engine.slots",
     "hybridattn.engine.stats",
     "hybridattn.models.kimi_linear",
     "hybridattn.models.kimi_linear.params",

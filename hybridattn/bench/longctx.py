@@ -103,9 +103,8 @@ def _time_mla(engine, row: int, seq_len: int, ext: int, kv_width: int, decode: b
 def _precompile_longctx(engine, prompt_len: int, new_tokens: int) -> None:
     """Compile every step shape one request of ``prompt_len`` + ``new_tokens`` meets (each
     prefill chunk's ``(B, T, W, Q)`` bucket, as ``Scheduler.plan`` picks it, and the decode
-    buckets, with token slots as the engine's batches carry) by running the step on a batch
-    that names a free row: it fails its fit check, so it runs as padding and writes only the
-    sinks. The engine's own steps then compile nothing
+    buckets) by running the step on a batch that names a free row: it fails its fit check, so
+    it runs as padding and writes only the sinks. The engine's own steps then compile nothing
     (``EngineStats.compiled_buckets`` tells)."""
     e, C, tb = engine, engine.chunked_prefill_size, engine.token_buckets
     row = 1  # free while the engine is idle
@@ -123,7 +122,7 @@ def _precompile_longctx(engine, prompt_len: int, new_tokens: int) -> None:
             continue
         done.add((mode, B, T, W, Q))
         batch = make_worker_batch(
-            [WorkItem(row, start, [1] * n, token_slots=[0] * n)], vocab_size=e.config.vocab_size,
+            [WorkItem(row, start, [1] * n)], vocab_size=e.config.vocab_size,
             max_context_len=e.max_context_len, forward_mode=mode, num_requests=B, num_tokens=T,
             kv_width=W, max_extend_len=Q, snapshot_chunk=e.scheduler.chunk_size)
         r = e.core.runner

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
@@ -50,6 +51,7 @@ from hybridattn.engine.commit import (
     live_part,
     one_step_plans,
     read_output,
+    record_slots,
 )
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.plan import Mode, Request, ShardedPlan, StepPlan
@@ -304,7 +306,10 @@ class Core:
         skipped."""
         t_wait = time.perf_counter()
         tokens, now = read_output(run)
+        self.runner.check_rows()
         sched, read = self.scheduler, self.runner.read_slots
+        if sched.tree is not None:  # the slots the prefix cache will read
+            record_slots(run, tokens, np.asarray(run.slots))
         # -- commit: plain Python from here on --
         plan, tokens, limits = live_part(run.plan, tokens, run.limits)
         if limits is None:

@@ -33,9 +33,8 @@ from hybridattn.engine.plan import (
     ShardedPlan,
     StepPlan,
 )
-from hybridattn.engine.slots import TokenSlots
 from hybridattn.engine.stats import EngineStats
-from hybridattn.pools import claim_reqs, free
+from hybridattn.pools import alloc_reqs, free
 from hybridattn.serving import (
     ServingState,
     WorkItem,
@@ -50,11 +49,10 @@ from hybridattn.serving.decode import _padding_unless
 __all__ = ["Follow", "Run", "Runner", "work_items"]
 
 
-def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None) -> list[WorkItem]:
+def work_items(plan: StepPlan) -> list[WorkItem]:
     """A plan's work as the device's ``WorkItem``\\ s (for ``make_worker_batch``): each
     request's row, the position it runs from (``computed``, plus what it runs in a step still
-    in flight), its tokens, sampling, snapshot to restore and snapshots to take, and its
-    token slots (``slots``, per item; None: the step allocates them).
+    in flight), its tokens, sampling, snapshot to restore and snapshots to take.
 
     >>> from hybridattn.engine.plan import Mode
     >>> r = Request(0, [5, 6], 2, row=1)
@@ -66,8 +64,7 @@ def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None) -> 
         restore = plan.restores[i] if plan.restores else 0
         snaps = plan.snapshots[i] if plan.snapshots else ()
         at = r.computed + (plan.ahead[i] if plan.ahead else 0)
-        out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps,
-                            None if slots is None else slots[i]))
+        out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps))
     return out
 
 
@@ -77,16 +74,12 @@ def shard_items(plan: ShardedPlan) -> list[list[WorkItem]]:
     return [[] if p is None else work_items(p) for p in plan.plans]
 
 
-def _claim_row(state: ServingState, row):
-    """Take request row ``row`` (``[1]``, the host's choice) and its state slot (the same
-    id: the engine's rows and state slots are taken and freed together)."""
-    return state.replace(req_to_token_pool=claim_reqs(state.req_to_token_pool, row, row)[0])
-
-
-def _admit_with_prefix(state: ServingState, row, lens, slots, computed):
-    """Take row ``row`` for one request that borrows a cached prefix: point its first
+def _admit_with_prefix(state: ServingState, lens, slots, computed):
+    """A row for one request that borrows a cached prefix: allocate it, point its first
     ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
-    return borrow_prefix(_claim_row(state, row), row, lens, slots, computed)
+    pool, rows, ok = alloc_reqs(state.req_to_token_pool, 1, 1)
+    state = borrow_prefix(state.replace(req_to_token_pool=pool), rows, lens, slots, computed)
+    return state, rows, ok
 
 
 def _step_tokens(params, state: ServingState, batch):
@@ -96,12 +89,12 @@ def _step_tokens(params, state: ServingState, batch):
     return new, out._replace(logits=None)
 
 
-def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens,
-                   token_slots, *, num_steps: int):
-    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count), on
-    the host's ``token_slots [num_steps, B]``."""
+def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, *,
+                   num_steps: int):
+    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count),
+    returning the token slots it wrote too."""
     return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens,
-                        token_slots=token_slots)
+                        return_slots=True)
 
 
 def _follow(batch, prev_tokens, cols, last, stop_token_ids):
@@ -112,8 +105,7 @@ def _follow(batch, prev_tokens, cols, last, stop_token_ids):
     rows keep theirs (prompt chunks, padding). A fed row whose token is -1 or one of its
     ``stop_token_ids`` finished inside that run and becomes padding: no token slot, nothing
     written; in an ``EXTEND`` batch the tokens after it move up one place, as if it had not
-    been planned (its row index, and so any snapshot entry of another row, stays), and the
-    host's token slots (``batch.token_slots``) move with them."""
+    been planned (its row index, and so any snapshot entry of another row, stays)."""
     prev = prev_tokens.reshape(-1, prev_tokens.shape[-1])
     fed = cols >= 0
     tok = prev[last, jnp.maximum(cols, 0)]
@@ -131,16 +123,17 @@ def _follow(batch, prev_tokens, cols, last, stop_token_ids):
     t = jnp.arange(T)
     row = jnp.minimum(jnp.searchsorted(end, t, side="right"), ext.shape[0] - 1)
     src = start[row] + t - (end - new_ext)[row]
-    src = jnp.clip(src, 0, T - 1)
-    ids = jnp.where(t < end[-1], ids[src], 0)
-    if batch.token_slots is not None:  # the host's slots move with their tokens
-        batch = batch.replace(token_slots=jnp.where(t < end[-1], batch.token_slots[src], 0))
+    ids = jnp.where(t < end[-1], ids[jnp.clip(src, 0, T - 1)], 0)
     zero = jnp.zeros_like(batch.req_pool_indices)
     return batch.replace(input_ids=ids.astype(jnp.int32),
                          req_pool_indices=jnp.where(keep, batch.req_pool_indices, zero),
                          seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
                          extend_seq_lens=new_ext.astype(jnp.int32))
 
+
+
+def _alloc_row(pool):
+    return alloc_reqs(pool, 1, 1)
 
 
 def _free_tokens(state: ServingState, slots):
@@ -155,7 +148,7 @@ def _signature(args, kwargs) -> tuple:
 
 
 class _Compiled:
-    """One engine's own jitted functions (the step with its state donated, taking a row,
+    """One engine's own jitted functions (the step with its state donated, row allocation,
     release, prefix borrowing, slot frees), built when the engine is, and ``count``, the
     compilations this engine has needed: the distinct argument signatures (shape buckets) it
     has called them with. Nothing here is module-level, so two engines keep apart counts;
@@ -167,11 +160,10 @@ class _Compiled:
     >>> c = _Compiled()
     >>> c.count, c.step is _Compiled().step
     (0, False)
-    >>> c.call(c.claim_row, ServingState.create(KimiLinearConfig.tiny(
+    >>> c.call(c.alloc_row, ServingState.create(KimiLinearConfig.tiny(
     ...     num_hidden_layers=2, hidden_size=32, vocab_size=64), max_running_requests=1,
-    ...     max_context_len=4, num_token_slots=5), jnp.array([1])
-    ...        ).req_to_token_pool.req_to_state.tolist(), c.count
-    ([0, 1], 1)
+    ...     max_context_len=4, num_token_slots=5).req_to_token_pool)[1].tolist(), c.count
+    ([1], 1)
     """
 
     def __init__(self):
@@ -180,7 +172,7 @@ class _Compiled:
         self._head, self._head_sig = None, None  # the last dict first argument, its signature
         self.step = jax.jit(_step_tokens, donate_argnums=1)
         self.release = jax.jit(release, donate_argnums=0)
-        self.claim_row = jax.jit(_claim_row, donate_argnums=0)
+        self.alloc_row = jax.jit(_alloc_row)
         self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
         self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
         self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
@@ -244,8 +236,8 @@ class Run:
 
     >>> from hybridattn.engine.plan import Mode
     >>> plan = StepPlan(Mode.EXTEND, ((Request(0, [5, 6], 4, row=1), [5, 6]),), (1, 2, 64, 2))
-    >>> run = Run(plan, None, np.array([7]), np.array(True), (1, 1, 2, 64, 2), False, 0.0, 0.0,
-    ...           0.0, 0.0)
+    >>> run = Run(plan, None, np.array([7]), np.array(True), np.array([3, 4]), (1, 1, 2, 64, 2),
+    ...           False, 0.0, 0.0, 0.0, 0.0)
     >>> run.limits is None  # one step
     True
     """
@@ -254,6 +246,7 @@ class Run:
     limits: list[int] | None
     tokens: Any
     ok: Any
+    slots: Any  # the token slots the run wrote (StepOutput.token_slots; None under a mesh)
     key: tuple
     compiled: bool
     t_plan: float
@@ -267,9 +260,9 @@ class Run:
 
 class Runner:
     """One engine's device side: the pools (``state``), the parameters, the jitted calls and
-    the run in flight (see the module docstring). The host owns the request rows
-    (``free_rows``): admission chooses one and the device takes exactly it
-    (``pools.claim_reqs``), so nothing is read back and nothing mirrors the device.
+    the run in flight (see the module docstring). The host's mirror of the device's free
+    stack of request rows (``free_rows``) lets admission know a row without a device read;
+    ``check_rows`` compares the two at the next commit.
 
     ``stats`` is the engine's ``EngineStats``: ``call`` adds the compilations it needed.
 
@@ -301,12 +294,9 @@ class Runner:
         self.jit = _Compiled()  # this engine's own compilations
         self.sharded = sharded  # under a mesh: this engine's own ShardedStep
         self.inflight: Run | None = None  # a step not committed yet (overlap)
-        # the free request rows: the host chooses each admitted request's (pops the end)
+        # the device's free stack of request rows, mirrored (pops from the end, as alloc)
         self.free_rows = list(range(max_running_requests, 0, -1))
-        # the free token slots: the host chooses each step's (none under a mesh: there the
-        # steps allocate them)
-        self.token_slots = None if sharded is not None else TokenSlots(
-            state.token_allocator.capacity, max_running_requests)
+        self._row_checks: list = []  # (rows, ok, expected row) of admissions not checked
         self.last_ready = 0.0  # when the last committed run's tokens were read
 
     def compilations(self) -> int:
@@ -333,8 +323,7 @@ class Runner:
                      max_extend_len=Q, num_snapshots=plan.num_snapshots,
                      snapshot_chunk=self.chunk_size)
         if self.sharded is None:
-            items = work_items(plan, self.token_slots.take(plan))
-            return self.jit.step, make_worker_batch(items, **shape)
+            return self.jit.step, make_worker_batch(work_items(plan), **shape)
         # one work list per data shard, one step for all of them
         return self.sharded, self.sharded.make_batch(shard_items(plan), **shape)
 
@@ -351,8 +340,8 @@ class Runner:
 
     def packed_decode(self, plan: StepPlan, limits: Sequence[int]) -> tuple[Any, tuple]:
         """The jitted multi-step decode and its arguments after the state: the DECODE batch,
-        each row's stop ids ``[B, S]`` (``_stop_ids``), its step limit ``[B]`` (0 for
-        padding rows) and the token slots the host chose ``[decode_steps, B]``."""
+        each row's stop ids ``[B, S]`` (``_stop_ids``) and its step limit ``[B]`` (0 for
+        padding rows)."""
         B, T, W, Q = plan.buckets
         batch = make_worker_batch(work_items(plan), vocab_size=self.config.vocab_size,
                                   max_context_len=self.max_context_len,
@@ -360,10 +349,8 @@ class Runner:
                                   num_tokens=T, kv_width=W, max_extend_len=Q)
         lim = np.zeros(B, np.int32)
         lim[: len(limits)] = limits
-        table = np.zeros((self.decode_steps, B), np.int32)
-        table[: max(limits)] = self.token_slots.take(plan, limits)
         return self.jit.decode(self.decode_steps), (batch, jnp.asarray(self.stop_ids(plan)),
-                                                     jnp.asarray(lim), jnp.asarray(table))
+                                                     jnp.asarray(lim))
 
     def launch(self, plan: StepPlan | ShardedPlan, t_plan: float, limits: list[int] | None,
                follow: Follow | None = None) -> Run:
@@ -375,15 +362,6 @@ class Runner:
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self.compilations()
         t_pack = time.perf_counter()
-        try:
-            return self._dispatch(plan, t_plan, limits, follow, key, traces, t_pack)
-        except BaseException:  # nothing was dispatched: the slots it chose are free again
-            if self.token_slots is not None:
-                self.token_slots.undo()
-            raise
-
-    def _dispatch(self, plan, t_plan, limits, follow, key, traces, t_pack) -> Run:
-        """``launch``'s packing and dispatch."""
         if limits is None:
             fn, batch = self.packed(plan)
             rest = ()
@@ -399,48 +377,59 @@ class Runner:
                                jnp.asarray(last), stops)
         if limits is None:
             self.state, out = self.call(fn, self.params, self.state, batch)
-            tokens, ok = out.next_token_ids, out.ok
+            tokens, ok, slots = out.next_token_ids, out.ok, out.token_slots
         else:
-            self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
+            self.state, tokens, ok, slots = self.call(fn, self.params, self.state, batch,
+                                                       *rest)
         t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
         # the device had nothing queued while this run was planned, unless the run before
         # it was still computing when it was dispatched
         busy = prev is not None and not prev.tokens.is_ready()
-        return Run(plan, limits, tokens, ok, key, self.compilations() > traces,
+        return Run(plan, limits, tokens, ok, slots, key, self.compilations() > traces,
                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
                    follow.fed if follow is not None else ())
 
     def admit_row(self, adm: Admission) -> int:
-        """Choose the admitted request's row (``free_rows``) and take it on the device; with a
-        cache hit the row also borrows the matched KV and records the restored depth. Returns
-        the row."""
+        """Allocate the admitted request's row on the device; with a cache hit the row also
+        borrows the matched KV and records the restored depth. Returns the row."""
         if self.sharded is not None:  # a local row of the request's data shard
             counts = [int(k == adm.req.shard) for k in range(self.num_data_shards)]
             new, rows, oks = self.call(self.sharded.try_alloc_rows, self.state, counts)
             rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
         else:
-            # The host owns the rows (free_rows): the device takes the one chosen here, so
-            # nothing is read back (with a step in flight a read would wait for it). A row
-            # the device did not have free fails the first step that runs it (ok False).
-            row = self.free_rows[-1]  # taken off the list once the device took it
-            at = jnp.asarray([row], jnp.int32)
+            # The row is known on the host (the device's free stack, mirrored), so nothing
+            # is read back: with a step in flight a read would wait for it. The device's
+            # answer is checked at the next commit (_check_rows).
             if not self.prefix_cache:
-                new = self.call(self.jit.claim_row, self.state, at)
+                pool, rows, ok = self.call(self.jit.alloc_row, self.state.req_to_token_pool)
+                new = self.state.replace(req_to_token_pool=pool)
             else:
                 W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
                 slots = np.zeros((1, W), np.int32)
                 slots[0, : adm.borrowed] = adm.slots
-                new = self.call(self.jit.admit, self.state, at,
-                                jnp.asarray([adm.borrowed], jnp.int32), jnp.asarray(slots),
-                                jnp.asarray([adm.computed], jnp.int32))
+                new, rows, ok = self.call(self.jit.admit, self.state,
+                                           jnp.asarray([adm.borrowed], jnp.int32),
+                                           jnp.asarray(slots),
+                                           jnp.asarray([adm.computed], jnp.int32))
             self.state = new
-            self.free_rows.pop()
-            self.token_slots.admitted(adm.req, row, adm.slots)
+            row = self.free_rows.pop()
+            self._row_checks.append((rows, ok, row))
+            adm.req.row_slots = list(adm.slots)
             return row
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
             raise RuntimeError("request-row allocation failed with rows counted free")
         return int(rows[0])
+
+    def check_rows(self) -> None:
+        """The rows the device allocated equal the host's mirror of its free stack (read at a
+        commit, when they are ready); a disagreement cannot happen and raises."""
+        checks, self._row_checks = self._row_checks, []
+        for rows, ok, row in checks:
+            got = int(np.asarray(rows)[0])
+            if not bool(np.asarray(ok)) or got != row:
+                raise RuntimeError(f"request-row allocation gave row {got} (ok="
+                                   f"{bool(np.asarray(ok))}); the host expected row {row}")
 
     def flush_ops(self, sched) -> None:
         """Carry out the device ops the scheduler queued, in order (frees of evicted slots,
@@ -456,7 +445,6 @@ class Runner:
                 slots = np.zeros(n, np.int32)
                 slots[: len(op.slots)] = op.slots
                 self.state = self.call(self.jit.free_tokens, self.state, jnp.asarray(slots))
-                self.token_slots.give(op.slots)
             elif isinstance(op, Borrow):
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
@@ -465,7 +453,7 @@ class Runner:
                                         jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
-                self.token_slots.borrow(op.req, op.slots)
+                op.req.row_slots[: len(op.slots)] = op.slots
             elif isinstance(op, Release):
                 self.state = self._release_rows(op.reqs)
             sched.op_done(op)
@@ -500,16 +488,13 @@ class Runner:
             snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
             state = self.call(self.jit.release, self.state, jnp.asarray(rows),
                                keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
-        self.free_rows.extend(r.row for r in done)
-        for r in done:
-            self.token_slots.released(r)
+        self.free_rows.extend(r.row for r in done)  # freed in this order, as the device does
         return state
 
     def read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row, from the host's copy
-        (``Request.row_slots``: what admission borrowed, the slots chosen for each step
-        (``TokenSlots``), each ``Borrow``). Never a device read: with a run in flight a read
-        would wait for it."""
+        (``Request.row_slots``: what admission borrowed, each step's ``token_slots``, each
+        ``Borrow``). Never a device read: with a run in flight a read would wait for it."""
         if len(req.row_slots) < n:  # cannot happen: every step's slots are recorded
             raise RuntimeError(f"request {req.rid}: the host holds {len(req.row_slots)} of "
                                f"its row's token slots, {n} are needed")

@@ -42,7 +42,7 @@ are for the host only.
 #   K   short-conv kernel size, C: conv channels; H, Dk, Dv: KDA heads and head dims
 
 
-from hybridattn.pools.allocator import SlotAllocator, alloc, alloc_or_raise, claim, free
+from hybridattn.pools.allocator import SlotAllocator, alloc, alloc_or_raise, free
 from hybridattn.pools.indexing import LayerRef
 from hybridattn.pools.mla import MLATokenPool, get_mla_kv, get_mla_kv_flat, set_mla_kv
 from hybridattn.pools.requests import (
@@ -50,7 +50,6 @@ from hybridattn.pools.requests import (
     ReqToTokenPool,
     alloc_reqs,
     alloc_reqs_or_raise,
-    claim_reqs,
     free_reqs,
     get_linear_recurrent_indices,
     get_token_slots,
@@ -77,8 +76,6 @@ __all__ = [
     "alloc_or_raise",
     "alloc_reqs",
     "alloc_reqs_or_raise",
-    "claim",
-    "claim_reqs",
     "copy_states",
     "copy_states_to",
     "free",

@@ -16,7 +16,6 @@ __all__ = [
     "SlotAllocator",
     "alloc",
     "alloc_or_raise",
-    "claim",
     "free",
 ]
 
@@ -124,47 +123,6 @@ def alloc(
     num_free = allocator.num_free - jnp.where(ok, count, 0)
     in_use = allocator.in_use.at[jnp.where(slots > 0, slots, n + 1)].set(True, mode="drop")
     return allocator.replace(num_free=num_free, in_use=in_use), slots, ok
-
-
-def claim(
-    allocator: SlotAllocator, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None
-) -> tuple[SlotAllocator, Bool[Array, ""]]:
-    """Take the slots the caller chose: ``(allocator, ok)``. Every ``slots[i]`` with
-    ``mask[i]`` true (all if ``mask`` is None) other than 0 leaves the free stack (which keeps
-    the order of the rest) and is in use. ``ok`` is False, and the allocator comes back
-    unchanged, if one of them is outside ``1 .. N``, in use already or listed twice.
-
-    This is :func:`alloc` for an owner that keeps its own free list (the engine's host side
-    chooses each step's token slots and each request's row): the stack stays the set of free
-    slots, so :func:`free` and a later :func:`alloc` behave as ever.
-
-    >>> a = SlotAllocator.create(6)
-    >>> a, ok = claim(a, jnp.array([3, 0, 1]))
-    >>> bool(ok), _free_ids(a), alloc(a, 1, max_count=1)[1].tolist()
-    (True, [5, 4, 2], [2])
-    >>> b, ok = claim(a, jnp.array([2, 3]))  # 3 is in use: nothing taken
-    >>> bool(ok), _free_ids(b) == _free_ids(a)
-    (False, True)
-    """
-    n = allocator.free_slots.shape[0]
-    slots = slots.astype(jnp.int32)
-    want = slots != 0
-    if mask is not None:
-        want = want & mask
-    idx = jnp.clip(slots, 0, n)
-    i = jnp.arange(slots.shape[0], dtype=jnp.int32)
-    first = jnp.full((n + 1,), slots.shape[0], jnp.int32).at[jnp.where(want, idx, n + 1)].min(
-        i, mode="drop")
-    good = (slots > 0) & (slots <= n) & ~allocator.in_use[idx] & (first[idx] == i)
-    ok = jnp.all(jnp.where(want, good, True))
-    take = want & ok
-    in_use = allocator.in_use.at[jnp.where(take, idx, n + 1)].set(True, mode="drop")
-    k = jnp.arange(n, dtype=jnp.int32)
-    stay = (k < allocator.num_free) & ~in_use[allocator.free_slots]  # compact what stays
-    pos = jnp.where(stay, jnp.cumsum(stay, dtype=jnp.int32) - 1, n)
-    free_slots = allocator.free_slots.at[pos].set(allocator.free_slots, mode="drop")
-    return allocator.replace(free_slots=free_slots, num_free=jnp.sum(stay, dtype=jnp.int32),
-                             in_use=in_use), ok
 
 
 def free(

@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from hybridattn._pytree import pytree_dataclass
-from hybridattn.pools.allocator import SlotAllocator, _check_int, alloc, claim, free
+from hybridattn.pools.allocator import SlotAllocator, _check_int, alloc, free
 from hybridattn.pools.indexing import _two_or_more
 from servecore.errors import PoolExhausted
 
@@ -18,7 +18,6 @@ __all__ = [
     "ReqToTokenPool",
     "alloc_reqs",
     "alloc_reqs_or_raise",
-    "claim_reqs",
     "free_reqs",
     "get_linear_recurrent_indices",
     "get_token_slots",
@@ -154,36 +153,6 @@ def alloc_reqs(
         allocator=allocator, state_allocator=state_allocator, req_to_state=req_to_state
     )
     return pool, rows, ok
-
-
-def claim_reqs(
-    pool: ReqToTokenPool, rows: Int[Array, " B"], state_slots: Int[Array, " B"] | None = None
-) -> tuple[ReqToTokenPool, Bool[Array, ""]]:
-    """Take the request rows the caller chose (0 entries are ignored): ``(pool, ok)``, as
-    :func:`~hybridattn.pools.allocator.claim`; on a :class:`HybridReqToTokenPool` row
-    ``rows[b]`` also takes state slot ``state_slots[b]``. ``ok`` only if both claims succeed;
-    on failure the pool (both allocators) comes back unchanged. For an owner that keeps its own
-    free lists; :func:`alloc_reqs` lets the pool choose.
-
-    >>> pool = HybridReqToTokenPool.create(max_running_requests=3, max_context_len=8)
-    >>> pool, ok = claim_reqs(pool, jnp.array([2]), jnp.array([2]))
-    >>> bool(ok), pool.req_to_state.tolist(), alloc_reqs(pool, 1, max_count=1)[1].tolist()
-    (True, [0, 0, 2, 0], [1])
-    """
-    allocator, ok = claim(pool.allocator, rows)
-    if not isinstance(pool, HybridReqToTokenPool):
-        return pool.replace(allocator=jax.tree.map(
-            lambda a, b: jnp.where(ok, a, b), allocator, pool.allocator)), ok
-    states = jnp.where(rows != 0, state_slots, 0)
-    state_allocator, ok_state = claim(pool.state_allocator, states)
-    ok = ok & ok_state
-    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-    num_rows = pool.req_to_state.shape[0]
-    req_to_state = pool.req_to_state.at[jnp.where(ok & (rows > 0), rows, num_rows)].set(
-        states, mode="drop")
-    return pool.replace(allocator=pick(allocator, pool.allocator),
-                        state_allocator=pick(state_allocator, pool.state_allocator),
-                        req_to_state=req_to_state), ok
 
 
 _alloc_reqs_jit = jax.jit(alloc_reqs, static_argnames="max_count")

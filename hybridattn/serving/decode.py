@@ -52,20 +52,6 @@ def _decode_limits(batch: ModelWorkerBatch, num_steps: int, stop_token_ids, max_
     return stop_token_ids, limits
 
 
-def _with_slots(batch: ModelWorkerBatch, num_steps: int, table):
-    """``at(batch, i)``: step ``i``'s batch with the caller's token slots ``table[i]`` (no
-    change without a ``table``: the steps allocate them)."""
-    if batch.token_slots is not None:
-        raise ValueError("decode_steps takes the caller's token slots as token_slots "
-                         "[num_steps, B], not in the batch")
-    if table is None:
-        return lambda b, i: b
-    if table.shape != (num_steps, batch.batch_size):
-        raise ValueError(f"token_slots has shape {table.shape}, expected "
-                         f"[num_steps={num_steps}, B={batch.batch_size}]")
-    return lambda b, i: b.replace(token_slots=table[jnp.minimum(i, num_steps - 1)])
-
-
 def decode_steps(
     params,
     state: ServingState,
@@ -74,7 +60,6 @@ def decode_steps(
     stop_token_ids: Int[Array, "B S"] | None = None,
     max_tokens: Int[Array, " B"] | None = None,
     return_slots: bool = False,
-    token_slots: Int[Array, "N B"] | None = None,
 ) -> (tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]
       | tuple[ServingState, Int[Array, "N B"], Bool[Array, ""], Int[Array, "N B"]]):
     """Up to ``num_steps`` greedy-or-sampled decode steps in one ``lax.while_loop``,
@@ -84,9 +69,7 @@ def decode_steps(
     or -1 where the row ran no step ``i`` (padding, a finished row, a failed step); ``ok``
     is False if a step ran out of slots (that step and the later ones changed nothing). With
     ``return_slots``, also ``slots [num_steps, B]``: the token slot each step wrote row
-    ``b``'s token to (0 where it ran none), as ``StepOutput.token_slots``. ``token_slots
-    [num_steps, B]``: the caller's choice, step ``i`` writes row ``b``'s to ``[i, b]`` (None:
-    the steps allocate; a finished row takes none).
+    ``b``'s token to (0 where it ran none), as ``StepOutput.token_slots``.
 
     A request finishes inside the run when it samples one of its ``stop_token_ids[b]``
     (padded with -1; default: none) or has run ``max_tokens[b]`` steps (default:
@@ -118,7 +101,7 @@ def decode_steps(
     """
     check_int("num_steps", num_steps, 1)
     stop_token_ids, limits = _decode_limits(batch, num_steps, stop_token_ids, max_tokens)
-    at, B = _with_slots(batch, num_steps, token_slots), batch.batch_size
+    B = batch.batch_size
     alive = (batch.req_pool_indices > 0) & (batch.extend_seq_lens > 0) & (limits > 0)
     tokens = jnp.full((num_steps, B), -1, jnp.int32)
     slots = jnp.zeros((num_steps, B), jnp.int32)
@@ -139,10 +122,10 @@ def decode_steps(
         hit = jnp.any(tok[:, None] == stop_token_ids, axis=1)
         alive = stepped & ~hit & (ran < limits)
         # finished rows run as padding from here on (next_decode keeps padding as padding)
-        batch = at(_padding_unless(batch.next_decode(tok), alive), i + 1)
+        batch = _padding_unless(batch.next_decode(tok), alive)
         return i + 1, state, batch, alive, ran, ok, tokens, slots
 
-    carry = (jnp.int32(0), state, at(_padding_unless(batch, alive), 0), alive,
+    carry = (jnp.int32(0), state, _padding_unless(batch, alive), alive,
              jnp.zeros(B, jnp.int32), jnp.bool_(True), tokens, slots)
     _, state, _, _, _, ok, tokens, slots = jax.lax.while_loop(cond, body, carry)
     return (state, tokens, ok, slots) if return_slots else (state, tokens, ok)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from hybridattn.backends import (
@@ -13,7 +12,6 @@ from hybridattn.backends import (
 from hybridattn.models import kimi_linear
 from hybridattn.pools import (
     alloc,
-    claim,
     copy_states_to,
     write_token_slots,
 )
@@ -100,8 +98,7 @@ def step(
     the state donated (``jax.jit(step, donate_argnums=1)``); it compiles once per shape bucket
     of ``batch``.
 
-    Allocates a token slot for every new token (or takes the batch's ``token_slots``, the
-    caller's choice) and records it in ``req_to_token``; runs the
+    Allocates a token slot for every new token and records it in ``req_to_token``; runs the
     model through the hybrid backend (MLA latents and KDA states written to the pools);
     samples each request's next token from its last new token's logits. Rows with no new
     token are padding. If the token slots run out, or the batch does not fit the state (a row
@@ -192,22 +189,14 @@ def _forward_batch(state: ServingState, batch: ModelWorkerBatch):
     # recomputed there (from a snapshot shallower than the cached KV) write to the sink.
     borrowed = pool.borrowed[jnp.clip(batch.req_pool_indices, 0, num_rows - 1)]
     fresh = live & (pos >= borrowed[b])
-    if batch.token_slots is None:  # the allocator chooses
-        allocator, packed, ok = alloc(state.token_allocator,
-                                      jnp.where(fits, jnp.sum(fresh), -1), max_count=T)
-        chosen = packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)]
-    else:  # the caller chose: take exactly those (a fresh token needs one)
-        chosen = batch.token_slots
-        allocator, ok = claim(state.token_allocator, chosen, fresh & fits)
-        ok &= fits & jnp.all(jnp.where(fresh, chosen > 0, True))
-        allocator = jax.tree.map(lambda a, b: jnp.where(ok, a, b), allocator,
-                                 state.token_allocator)
+    allocator, packed, ok = alloc(state.token_allocator, jnp.where(fits, jnp.sum(fresh), -1),
+                                  max_count=T)
     # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
     # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
     go = ok & (batch.extend_seq_lens > 0)
     req_rows = jnp.where(go, batch.req_pool_indices, 0)
     fresh = fresh & ok
-    slots = jnp.where(fresh, chosen, 0)
+    slots = jnp.where(fresh, packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)], 0)
     req_pool = write_token_slots(pool, jnp.where(fresh, req_rows[b], 0), pos, slots, fresh)
     req_pool = req_pool.replace(req_lens=req_pool.req_lens.at[
         jnp.where(req_rows > 0, req_rows, num_rows)].set(batch.seq_lens, mode="drop"))

@@ -44,13 +44,6 @@ class ModelWorkerBatch:
     before the forward; 0: none) and ``snapshots`` (``SnapshotSpec``: states to copy into
     snapshot slots at given depths along the extend).
 
-    ``token_slots`` (None: ``step`` allocates them) are the token slots the caller chose for
-    the new tokens, packed as ``input_ids`` (0 for padding and for a position a row borrows:
-    those write to the sink). ``step`` then takes exactly those from the token allocator
-    (``pools.claim``) instead of letting it choose; the batch does not fit (``ok`` False) if
-    one is not free. Whether the field is None is part of the bucket, so neither kind of
-    batch pays for the other.
-
     A mixed batch padded to ``B = 3`` requests and ``T = 8`` tokens: row 1 prefills a 3-token
     prompt while row 2, with 4 tokens in the pools, decodes one more:
 
@@ -90,7 +83,6 @@ class ModelWorkerBatch:
     forward_mode: ForwardMode = ForwardMode.EXTEND
     restore_from: Int[Array, " B"] | None = None
     snapshots: SnapshotSpec | None = None
-    token_slots: Int[Array, " T"] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,8 +97,7 @@ class ModelWorkerBatch:
     def next_decode(self, next_token_ids: Int[Array, " B"]) -> ModelWorkerBatch:
         """The DECODE batch that feeds each live request's sampled token back (pure; use it in
         a ``lax.scan``). ``kv_width`` must already leave room for the new token; sampling
-        settings are kept, padding rows stay padding; the step allocates its token slots
-        (``token_slots`` None)."""
+        settings are kept, padding rows stay padding."""
         live = self.req_pool_indices > 0
         return self.replace(
             input_ids=jnp.where(live, next_token_ids, 0).astype(jnp.int32),
@@ -116,7 +107,6 @@ class ModelWorkerBatch:
             max_extend_len=1,
             restore_from=None,
             snapshots=None,
-            token_slots=None,
         )
 
 
@@ -128,10 +118,6 @@ class WorkItem(NamedTuple):
     from (its first chunk after a cache hit at depth ``prefix_len``), and ``snapshots`` lists
     ``(depth, snapshot slot)`` pairs: copy the request's states after its first ``depth``
     tokens (``prefix_len < depth <= prefix_len + len(token_ids)``) into that slot.
-
-    ``token_slots`` (one per token id; None: the step allocates them) are the token slots the
-    caller chose for the tokens, 0 for a position the row borrows from a prefix cache. A
-    batch takes them from every item or from none.
 
     >>> prefill = WorkItem(req_index=1, prefix_len=0, token_ids=[5, 6, 7])
     >>> decode = WorkItem(2, 4, [9], SamplingParams(temperature=0.7, seed=3))
@@ -146,7 +132,6 @@ class WorkItem(NamedTuple):
     sampling: SamplingParams = SamplingParams()
     restore_from: int = 0
     snapshots: tuple[tuple[int, int], ...] = ()
-    token_slots: Sequence[int] | None = None
 
 
 def make_worker_batch(
@@ -199,7 +184,6 @@ def make_worker_batch(
     lens, seq, B, T, W, Q = _buckets(items, tokens, forward_mode, max_context_len,
                                      num_requests, num_tokens, kv_width, max_extend_len)
     extras = _snapshot_fields(items, tokens, forward_mode, B, num_snapshots, snapshot_chunk)
-    extras.update(_slot_field(items, tokens, T))
     sp = [it.sampling for it in items]
     return ModelWorkerBatch(
         input_ids=_pad(np.concatenate(tokens), T),
@@ -286,23 +270,6 @@ def _buckets(items, tokens, forward_mode, max_context_len, num_requests, num_tok
     if not lens.max() <= Q <= T:
         raise ValueError(f"max_extend_len={Q} must be in {int(lens.max())}..{T}")
     return lens, seq, B, T, W, Q
-
-
-def _slot_field(items, tokens, T) -> dict:
-    """The batch's ``token_slots`` field: the items' slots packed as their tokens (none
-    when no item carries them)."""
-    given = [it.token_slots is not None for it in items]
-    if not any(given):
-        return {}
-    if not all(given):
-        raise ValueError("token_slots: every item of a batch carries them or none does")
-    slots = [np.asarray(it.token_slots, np.int64).reshape(-1) for it in items]
-    for n, (s, toks) in enumerate(zip(slots, tokens, strict=True)):
-        if len(s) != len(toks):
-            raise ValueError(f"request {n}: {len(s)} token_slots for {len(toks)} tokens")
-        if len(s) and not 0 <= s.min() <= s.max() < 2**31:
-            raise ValueError(f"request {n}: token_slots must be ints >= 0, got {s.tolist()}")
-    return {"token_slots": _pad(np.concatenate(slots), T)}
 
 
 def _pad(values, size, dtype=np.int32, fill=0):

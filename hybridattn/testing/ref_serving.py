@@ -27,11 +27,10 @@ class RefServingPools:
     Holds a ``RefSlotAllocator`` of the token slots (``tokens``), a ``RefReqToTokenPool``
     (``requests``) and a copy of the pools' contents. ``step`` checks a step's result against
     the serving contract: ``ok`` exactly when the batch fits (allocated rows, lengths within its
-    buckets) and enough token slots are free (or the slots the batch chose, ``token_slots``, are
-    distinct and free); then every live request's new tokens got distinct, previously free
-    token slots (those chosen, if any), recorded at its new positions, and nothing else in the
-    tables changed; and, ok or not, no MLA latent or KDA state outside the sink, the new
-    tokens' slots and the batch's own state slots changed, bit for bit.
+    buckets) and enough token slots are free; then every live request's new tokens got distinct,
+    previously free token slots, recorded at its new positions, and nothing else in the tables
+    changed; and, ok or not, no MLA latent or KDA state outside the sink, the new tokens' slots
+    and the batch's own state slots changed, bit for bit.
 
     >>> from hybridattn import KimiLinearConfig, ServingState, WorkItem, make_worker_batch
     >>> state = ServingState.create(KimiLinearConfig.tiny(), max_running_requests=2,
@@ -62,8 +61,7 @@ class RefServingPools:
         every request with new tokens names a distinct row in use (never row 0) whose recorded
         length is ``seq_lens - extend_seq_lens``, with ``seq_lens <= kv_width`` and
         ``extend_seq_lens <= max_extend_len``; its tokens lie in the vocabulary; the new tokens
-        fit ``T`` and the free token slots (positions a row borrows take none), or the slots the
-        batch chose (``token_slots``) are distinct and free."""
+        fit ``T`` and the free token slots (positions a row borrows take none)."""
         rows, seq, ext = (host(x).astype(np.int64) for x in
                           (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
         if (rows < 0).any() or (seq < 0).any() or (ext < 0).any():
@@ -89,32 +87,7 @@ class RefServingPools:
         fresh = sum(max(s - max(s - e, self.requests.borrowed[r]), 0)
                     for r, s, e in zip(rows.tolist(), seq.tolist(), ext.tolist(), strict=True)
                     if e > 0)
-        if int(ext.sum()) > batch.num_tokens:
-            return False
-        chosen = self._chosen(batch)
-        if chosen is None:
-            return self.tokens.can_alloc(fresh)
-        got = [x for v in chosen.values() for x in v]  # the caller's: distinct, free, not 0
-        return len(set(got)) == len(got) and set(got) <= self.tokens.free and 0 not in got
-
-    def _chosen(self, batch: ModelWorkerBatch) -> dict[int, list[int]] | None:
-        """Per live row, the slots the batch's ``token_slots`` give its fresh positions (None
-        when the batch carries none: ``step`` allocates them)."""
-        if batch.token_slots is None:
-            return None
-        slots = host(batch.token_slots).astype(np.int64).tolist()
-        rows, seq, ext = (host(x).astype(np.int64).tolist() for x in
-                          (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
-        out, start = {}, 0
-        for b, (r, n, e) in enumerate(zip(rows, seq, ext, strict=True)):
-            if e <= 0:
-                continue
-            mine = slots[b: b + 1] if batch.forward_mode == ForwardMode.DECODE else slots[
-                start: start + e]
-            start += e
-            lo = max(n - e, self.requests.borrowed[r])
-            out[r] = mine[len(mine) - max(n - lo, 0):]
-        return out
+        return int(ext.sum()) <= batch.num_tokens and self.tokens.can_alloc(fresh)
 
     def step(self, batch: ModelWorkerBatch, state: ServingState,
              ok: Bool[ArrayLike, ""]) -> ServingState:
@@ -128,14 +101,11 @@ class RefServingPools:
         table = host(state.req_to_token_pool.req_to_token)
         new_slots: list[int] = []
         live_states: set[int] = set()
-        chosen = self._chosen(batch) if expect else None
         if expect:
             for r, s, e in zip(rows, seq, ext, strict=True):
                 if r > 0 and e > 0:
                     lo = max(s - e, self.requests.borrowed[r])  # borrowed positions keep theirs
                     got = table[r, lo: s].tolist()
-                    if chosen is not None and got != chosen[int(r)]:
-                        fail(f"row {r} recorded slots {got}, the batch chose {chosen[int(r)]}")
                     new_slots += got
                     live_states.add(self.requests.rows[r])
                     self.requests.table[r][lo: s] = got
@@ -164,12 +134,10 @@ class RefServingPools:
             return False
         rows, seq, ext = (host(x).astype(np.int64) for x in
                           (batch.req_pool_indices, batch.seq_lens, batch.extend_seq_lens))
-        chosen = self._chosen(batch)
         for r, n, e in zip(rows.tolist(), seq.tolist(), ext.tolist(), strict=True):
             if e > 0:
                 lo = max(n - e, self.requests.borrowed[r])  # borrowed positions keep theirs
-                got = (sorted(self.tokens.free)[: max(n - lo, 0)] if chosen is None
-                       else chosen[r])
+                got = sorted(self.tokens.free)[: max(n - lo, 0)]
                 self.tokens._take(got, "apply")
                 self.requests.table[r][lo: n] = got
                 self.requests.lens[r] = n
