@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import threading
@@ -115,6 +116,9 @@ class Core:
         self.opts = opts
         self.stats = runner.stats
         self.clock = StatsClock(self.stats)
+        # seed=None: each request its own seed, in the order requests arrive (the first
+        # call's prompt i gets seed i, as the engine's default seed=0 + i did)
+        self._default_seeds = itertools.count()
         self._emit: Callable[[Event], None] = _nowhere
 
     # ---------------------------------------------------------------- EngineCore ----
@@ -135,9 +139,13 @@ class Core:
                 + "; shorten the prompt or build the engine with more of both")
 
     def submit(self, rid: int, request: GenerationRequest) -> None:
-        """Queue ``request`` (checked) as request ``rid``."""
+        """Queue ``request`` (checked) as request ``rid``; ``seed=None`` draws the next of the
+        engine's own seeds, so unseeded requests sample apart."""
+        sampling = request.sampling
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=next(self._default_seeds))
         self.scheduler.add(Request(rid, list(request.tokens), request.max_tokens,
-                                   request.sampling, frozenset(request.stop)))
+                                   sampling, frozenset(request.stop)))
 
     def cancel(self, rid: int) -> bool:
         """End request ``rid`` (waiting or running; its rows and slots are released at once);

@@ -89,6 +89,20 @@ def test_engine_many_concurrent_requests_equal_mlx_lm(mlx_greedy, loaded):
     assert_whole(eng)  # every slot came back
 
 
+def test_unseeded_requests_sample_apart_and_one_seed_samples_alike():
+    """``seed=None`` gives each request a seed of its own (the engine's next, in arrival
+    order: the first call's prompt i gets seed i), so identical prompts sample apart; one
+    seed makes them sample alike, as in mlxcache."""
+    prompt = prompts_of([6], seed=9)[0]
+    eng = engine()
+    apart = eng.generate([prompt] * 4, 6, temperature=1.0)
+    assert len({tuple(o) for o in apart}) > 1, apart
+    alike = eng.generate([prompt] * 4, 6, temperature=1.0, seed=3)
+    assert all(o == alike[0] for o in alike)
+    first = engine().generate([prompt] * 2, 6, temperature=1.0, seed=[0, 1])
+    assert first == apart[:2]  # a fresh engine's default seeds are 0, 1, ...
+
+
 def test_stream_yields_what_generate_returns():
     prompts = prompts_of([12, 3, 50], seed=4)
     seen = [[] for _ in prompts]
