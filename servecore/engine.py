@@ -15,8 +15,11 @@ The core's promises:
   returns whether it was live; it may be called at any time outside a round.
 * ``run_round(emit)`` runs one round (admit, schedule, one step or run of steps, finish) and
   calls ``emit(Event(rid, token, finished))`` for every token it commits, in order; it returns
-  whether anything ran or was committed. A round that fails drops the requests it was serving,
-  emits ``Event(rid, None, True, error)`` for each, then raises the exception.
+  whether anything ran or was committed. A round that fails then raises the exception, after
+  one of two things: it drops the requests it was serving and emits
+  ``Event(rid, None, True, error)`` for each (mlxcache), or it was a transaction that left
+  every request as it was, emitting nothing, and the next round runs them again
+  (hybridattn: its device step commits nothing that failed).
 * ``has_work()``: whether any request is queued, running or has tokens in flight.
 
 An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of its core's

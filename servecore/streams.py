@@ -15,10 +15,11 @@ The contract with callers:
   of it; one dropped while a round runs is aborted by the next round.
 - Calls from several threads are serialized by one lock, a round at a time; a call from inside
   a round (a model or tokenizer calling back into the engine) is refused.
-- A round that fails drops the requests it was serving (the core says which): the exception
-  reaches the call that ran the round; a stream that owned a dropped request raises
-  ``RuntimeError`` (caused by it) once its queued tokens are read; ``step`` reports each as
-  ``(rid, None, True)``. Nothing else is lost: every other request goes on.
+- A round that fails raises in the call that ran it. A core that drops the requests it was
+  serving says which (a core whose rounds are transactions drops none: they run again): a
+  stream that owned a dropped request raises ``RuntimeError`` (caused by it) once its queued
+  tokens are read; ``step`` reports each as ``(rid, None, True)``. Nothing else is lost:
+  every other request goes on.
 
 ``servecore.testing.FakeCore`` makes each request's tokens without a model, one a round:
 
