@@ -297,7 +297,6 @@ class Runner:
         # the device's free stack of request rows, mirrored (pops from the end, as alloc)
         self.free_rows = list(range(max_running_requests, 0, -1))
         self._row_checks: list = []  # (rows, ok, expected row) of admissions not checked
-        self.last_ready = 0.0  # when the last committed run's tokens were read
 
     def compilations(self) -> int:
         """Compilations this engine has needed so far (``_Compiled.count``, or the traces of
