@@ -107,3 +107,12 @@ class Group:
         self.jobs = [self.jobs[i] for i in order]
         self.unread = [self.unread[i] for i in order]
         self.feed = self.feed[mx.array(order, dtype=mx.int32)] if order else None
+
+    def arrays(self) -> list[Any]:
+        """What the group keeps between rounds (to schedule): its feed, its caches' state and
+        its jobs' sampling keys.
+
+        >>> Group([]).arrays()
+        [None]
+        """
+        return [self.feed, *(c.state for c in self.caches), *(j.key for j in self.jobs)]

@@ -356,4 +356,4 @@ class Runner:
         ("There is no Stream(cpu, N) in current thread"); a scheduled one any thread may wait
         on. So the next call gets only scheduled arrays, whichever thread makes it. (The pool
         is scheduled after each write already.)"""
-        mx.async_eval(arrays_in(self.path.arrays()))
+        mx.async_eval(arrays_in([a for g in self.path.groups for a in g.arrays()]))

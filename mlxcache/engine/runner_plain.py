@@ -65,12 +65,3 @@ class PlainPath:
         group.remove(row)
         if not group.jobs:
             self.groups.remove(group)
-
-    def arrays(self) -> list[Any]:
-        """What the decode groups keep between rounds (to schedule)."""
-        out: list[Any] = []
-        for group in self.groups:
-            out.append(group.feed)
-            out.extend(c.state for c in group.caches)
-            out.extend(j.key for j in group.jobs)
-        return out

@@ -90,12 +90,3 @@ class PooledPath:
         group.remove(row)
         if not group.jobs and group is not self.batch:
             self.groups.remove(group)
-
-    def arrays(self) -> list[Any]:
-        """What the decode groups keep between rounds (to schedule)."""
-        out: list[Any] = []
-        for group in self.groups:
-            out.append(group.feed)
-            out.extend(c.state for c in group.caches)
-            out.extend(j.key for j in group.jobs)
-        return out
