@@ -128,6 +128,13 @@ def assert_whole(eng: Engine) -> None:
     """Every token slot of ``eng`` is free or held by its prefix cache, and freeing the cache
     frees them all: nothing leaked."""
     assert eng.num_free_slots + eng.num_cached_slots == eng.capacity
+    runner = eng.core.runner
+    if runner.sharded is None and runner.inflight is None:  # the host owns the ids: the
+        for ids, allocator in ((runner.slots, eng.state.token_allocator),  # device agrees
+                               (runner.rows, eng.state.req_to_token_pool.allocator)):
+            free = np.asarray(allocator.free_slots)[: int(allocator.num_free)].tolist()
+            assert sorted(free) == sorted(ids)
+            assert set(np.flatnonzero(np.asarray(allocator.in_use)).tolist()).isdisjoint(ids)
     if not eng.has_unfinished():
         eng.reset_cache()
         assert eng.num_free_slots == eng.capacity

@@ -1,18 +1,17 @@
-"""Committing a run's output, in named steps: read it off the device (``read_output``),
-check it, record the token slots it wrote (``record_slots``), cut out what finished since it
-was dispatched (``live_part``), split a multi-step decode into its steps
-(``decode_run_steps``), and keep the stats (``StatsClock``). ``hybridattn.engine.core`` calls
-them in that order; the scheduler's ``commit`` then records the tokens.
+"""Committing a run's output, in named steps: read it off the device and check it
+(``read_output``), cut out what finished since it was dispatched (``live_part``), split a
+multi-step decode into its steps (``decode_run_steps``), and keep the stats
+(``StatsClock``). ``hybridattn.engine.core`` calls them in that order; the scheduler's
+``commit`` then records the tokens. (The token slots a run wrote are the ones the host named
+when it launched it: nothing is read back for them.)
 
-One prompt of two tokens, run whole (the step wrote token slots 3 and 4 and sampled 7):
+One prompt of two tokens, run whole (written to token slots 3 and 4; it sampled 7):
 
->>> r = Request(0, [5, 6], 4, row=1)
+>>> r = Request(0, [5, 6], 4, row=1, row_slots=[3, 4])
 >>> plan = StepPlan(Mode.EXTEND, ((r, [5, 6]),), (1, 2, 64, 2))
->>> run = Run(plan, None, np.array([7]), np.array(True), np.array([3, 4]), (1, 1, 2, 64, 2),
+>>> run = Run(plan, None, np.array([7]), np.array(True), [[3, 4]], (1, 1, 2, 64, 2),
 ...           False, 0.0, 0.0, 0.0, 0.0)
 >>> tokens, _ = read_output(run)
->>> record_slots(run, tokens, np.asarray(run.slots)); r.row_slots
-[3, 4]
 >>> live_part(run.plan, tokens, run.limits)[1]
 array([7])
 """
@@ -29,7 +28,7 @@ from hybridattn.engine.plan import Mode, Request, StepPlan
 from hybridattn.engine.runner import Run
 from hybridattn.engine.stats import EngineStats
 
-__all__ = ["StatsClock", "decode_run_steps", "live_part", "read_output", "record_slots"]
+__all__ = ["StatsClock", "decode_run_steps", "live_part", "read_output"]
 
 
 def read_output(run: Run) -> tuple[np.ndarray, float]:
@@ -43,14 +42,15 @@ def read_output(run: Run) -> tuple[np.ndarray, float]:
     ...                 0.0, 0.0, 0.0, 0.0))
     Traceback (most recent call last):
     ...
-    RuntimeError: token slots ran out inside a step despite the reservation
+    RuntimeError: a step refused the token slots or rows the host named (or ran out)
     """
     tokens = np.asarray(run.tokens)
     # read, not reduced on the device: a reduction would queue behind the next run
     ok = np.asarray(run.ok)
     now = time.perf_counter()
-    if not ok.all():  # unreachable (the reservation); only the sinks were written
-        raise RuntimeError("token slots ran out inside a step despite the reservation")
+    if not ok.all():  # unreachable (the host's ids); only the sinks were written
+        raise RuntimeError("a step refused the token slots or rows the host named (or ran "
+                           "out)")
     return tokens, now
 
 
@@ -121,43 +121,6 @@ def decode_run_steps(plan: StepPlan, tokens: np.ndarray,
         idx = [j for j, ran in enumerate(runs) if i < len(ran)]
         steps.append((idx, [runs[j][i] for j in idx]))
     return steps
-
-
-def record_slots(run: Run, tokens: np.ndarray, slots: np.ndarray) -> None:
-    """Extend each request's ``row_slots`` by the token slots ``run`` wrote for it (one
-    ``EXTEND`` step: ``slots [T]``, its tokens packed in work order, a row that ``_follow``
-    made padding holding none; one ``DECODE`` step: ``[B]``, row by row; a multi-step
-    decode: ``[N, B]``, the steps each row ran). A position below what a row borrows
-    keeps the borrowed slot (the step wrote the recomputed token to the sink), as
-    ``req_to_token`` does (the module docstring has an example).
-
-    >>> r = Request(0, [5], 4, row=1, computed=1, row_slots=[3])
-    >>> plan = StepPlan(Mode.DECODE, ((r, [5]),), (1, 1, 64, 1))
-    >>> run = Run(plan, None, None, None, None, (), False, 0.0, 0.0, 0.0, 0.0)
-    >>> record_slots(run, np.array([8]), np.array([6])); r.row_slots
-    [3, 6]
-    """
-    dead = {r for r in run.fed if r.finish_reason == "stop"}  # padding on the device
-    extend = run.plan.mode != Mode.DECODE
-    at = 0
-    for j, (r, toks) in enumerate(run.plan.work):
-        if run.limits is not None:
-            new = slots[: int(np.sum(tokens[:, j] >= 0)), j].tolist()
-        elif not extend:
-            new = [] if r in dead else [int(slots[j])]
-        else:
-            n = 0 if r in dead else len(toks)
-            new, at = slots[at: at + n].tolist(), at + n
-        if r.finished:  # aborted, or stopped in the run before: nothing to record
-            continue
-        have = r.row_slots
-        skip = len(have) - r.computed  # positions from computed on already held
-        if skip < 0:  # cannot happen: admission records what the row borrows
-            raise RuntimeError(f"request {r.rid}: the host holds {len(have)} of its row's "
-                               f"token slots but {r.computed} positions ran")
-        if skip < len(new):
-            have.extend(new[max(skip, 0):])
-
 
 
 class StatsClock:

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
@@ -52,7 +51,6 @@ from hybridattn.engine.commit import (
     live_part,
     one_step_plans,
     read_output,
-    record_slots,
 )
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.plan import Mode, Request, ShardedPlan, StepPlan
@@ -316,8 +314,6 @@ class Core:
         tokens, now = read_output(run)
         self.runner.check_rows()
         sched, read = self.scheduler, self.runner.read_slots
-        if sched.tree is not None:  # the slots the prefix cache will read
-            record_slots(run, tokens, np.asarray(run.slots))
         # -- commit: plain Python from here on --
         plan, tokens, limits = live_part(run.plan, tokens, run.limits)
         if limits is None:
@@ -331,13 +327,16 @@ class Core:
         decoded = plan.num_tokens if limits is None else sum(len(t) for _, t in steps)
         prefill = self.clock.steps(run, plan, len(steps), decoded, start, ready)
         first = [r for r, toks in plan.work if r.computed + len(toks) == len(r.prompt)]
-        events = []
+        events, done = [], []
         if limits is None:
             if steps:
-                events, _ = sched.commit(plan, steps[0][1], read)
+                events, done = sched.commit(plan, steps[0][1], read)
         else:
             for sub, toks in one_step_plans(plan, steps):  # each step as it ran alone
-                events += sched.commit(sub, toks, read)[0]
+                ev, dn = sched.commit(sub, toks, read)
+                events += ev
+                done += dn
+        self.runner.finished(done)
         self.clock.first_tokens(first, ready)
         s = self.stats
         s.snapshots_taken, s.state_evictions, s.token_evictions = sched.counters()

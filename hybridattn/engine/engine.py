@@ -298,8 +298,12 @@ class Engine:
 
     @property
     def num_free_slots(self) -> int:
-        """Token slots neither held by a request nor by the prefix cache (a device read)."""
-        return int(np.sum(self.state.token_allocator.num_free))  # summed over data shards
+        """Token slots neither held by a request nor by the prefix cache (the engine's own
+        count on one device; under a mesh a device read, summed over data shards)."""
+        runner = self.core.runner
+        if runner.sharded is None:
+            return len(runner.slots)
+        return int(np.sum(self.state.token_allocator.num_free))
 
     # ---------------------------------------------------------------- the contract ----
 

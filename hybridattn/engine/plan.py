@@ -45,8 +45,8 @@ class Request:
     ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
     restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
     ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
-    first positions as the engine wrote them (``read_slots`` serves them without a device
-    read).
+    positions, named by the engine (``hybridattn.engine.ids``; ``read_slots`` serves them
+    without a device read), ``row_borrowed`` how many of them the row borrows.
 
     >>> r = Request(rid=3, prompt=[1, 2], max_tokens=4)
     >>> r.need, r.finished, r.tokens
@@ -75,7 +75,8 @@ class Request:
     prompt_slots: list = dataclasses.field(default_factory=list)
     keep_from: int | None = None
     end_depth: int = 0  # tokens that ran, once finished and inserted
-    row_slots: list = dataclasses.field(default_factory=list)  # the row's slots, host copy
+    row_slots: list = dataclasses.field(default_factory=list)  # the row's slots (host's ids)
+    row_borrowed: int = 0  # positions of row_slots the row borrows (the device's borrowed)
     owned: int = 0
     shard: int = 0  # the data shard it runs on (``ShardedScheduler``; 0 on one device)
 

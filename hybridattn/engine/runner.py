@@ -5,7 +5,9 @@ dispatched, the device ops carried out, and what a run hands back.
 the step with its state donated, the multi-step decode, row allocation, release, prefix
 borrowing, slot frees, ``_follow``), or under a mesh the engine's ``sharding.ShardedStep``.
 ``launch`` packs a ``StepPlan`` to its buckets and dispatches it, returning a ``Run`` whose
-outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them.
+outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them. On one
+device the runner owns the request rows and token slots (``hybridattn.engine.ids``): it
+names them to the device, which claims them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hybridattn import sharding
 from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.buckets import STOP_BUCKETS, bucket
+from hybridattn.engine.ids import IdPool
 from hybridattn.engine.plan import (
     Admission,
     Borrow,
@@ -34,7 +37,7 @@ from hybridattn.engine.plan import (
     StepPlan,
 )
 from hybridattn.engine.stats import EngineStats
-from hybridattn.pools import alloc_reqs, free
+from hybridattn.pools import claim_reqs, free
 from hybridattn.serving import (
     ServingState,
     WorkItem,
@@ -49,10 +52,12 @@ from hybridattn.serving.decode import _padding_unless
 __all__ = ["Follow", "Run", "Runner", "work_items"]
 
 
-def work_items(plan: StepPlan) -> list[WorkItem]:
+def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None,
+               ) -> list[WorkItem]:
     """A plan's work as the device's ``WorkItem``\\ s (for ``make_worker_batch``): each
     request's row, the position it runs from (``computed``, plus what it runs in a step still
-    in flight), its tokens, sampling, snapshot to restore and snapshots to take.
+    in flight), its tokens, sampling, snapshot to restore and snapshots to take, and with
+    ``slots`` the token slots named for its tokens.
 
     >>> from hybridattn.engine.plan import Mode
     >>> r = Request(0, [5, 6], 2, row=1)
@@ -64,7 +69,8 @@ def work_items(plan: StepPlan) -> list[WorkItem]:
         restore = plan.restores[i] if plan.restores else 0
         snaps = plan.snapshots[i] if plan.snapshots else ()
         at = r.computed + (plan.ahead[i] if plan.ahead else 0)
-        out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps))
+        out.append(WorkItem(r.row, at, toks, r.sampling, restore, snaps,
+                            () if slots is None else slots[i]))
     return out
 
 
@@ -74,12 +80,12 @@ def shard_items(plan: ShardedPlan) -> list[list[WorkItem]]:
     return [[] if p is None else work_items(p) for p in plan.plans]
 
 
-def _admit_with_prefix(state: ServingState, lens, slots, computed):
-    """A row for one request that borrows a cached prefix: allocate it, point its first
-    ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
-    pool, rows, ok = alloc_reqs(state.req_to_token_pool, 1, 1)
+def _admit_with_prefix(state: ServingState, rows, lens, slots, computed):
+    """The row the host named for one request that borrows a cached prefix: claim it, point
+    its first ``lens`` positions at ``slots`` and record ``computed`` tokens of state."""
+    pool, ok = claim_reqs(state.req_to_token_pool, rows)
     state = borrow_prefix(state.replace(req_to_token_pool=pool), rows, lens, slots, computed)
-    return state, rows, ok
+    return state, ok
 
 
 def _step_tokens(params, state: ServingState, batch):
@@ -89,12 +95,12 @@ def _step_tokens(params, state: ServingState, batch):
     return new, out._replace(logits=None)
 
 
-def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, *,
+def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, slots, *,
                    num_steps: int):
-    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count),
-    returning the token slots it wrote too."""
+    """``serving.decode_steps`` with ``num_steps`` bound (one jitted function per count) and
+    the host's token ``slots [num_steps, B]``."""
     return decode_steps(params, state, batch, num_steps, stop_token_ids, max_tokens,
-                        return_slots=True)
+                        slots=slots)
 
 
 def _follow(batch, prev_tokens, cols, last, stop_token_ids):
@@ -125,15 +131,18 @@ def _follow(batch, prev_tokens, cols, last, stop_token_ids):
     src = start[row] + t - (end - new_ext)[row]
     ids = jnp.where(t < end[-1], ids[jnp.clip(src, 0, T - 1)], 0)
     zero = jnp.zeros_like(batch.req_pool_indices)
+    loc = batch.out_cache_loc  # the host's slots move with their tokens
+    if loc is not None:
+        loc = jnp.where(t < end[-1], loc[jnp.clip(src, 0, T - 1)], 0).astype(jnp.int32)
     return batch.replace(input_ids=ids.astype(jnp.int32),
                          req_pool_indices=jnp.where(keep, batch.req_pool_indices, zero),
                          seq_lens=jnp.where(keep, batch.seq_lens, 0).astype(jnp.int32),
-                         extend_seq_lens=new_ext.astype(jnp.int32))
+                         extend_seq_lens=new_ext.astype(jnp.int32), out_cache_loc=loc)
 
 
 
-def _alloc_row(pool):
-    return alloc_reqs(pool, 1, 1)
+def _claim_row(pool, rows):
+    return claim_reqs(pool, rows)
 
 
 def _free_tokens(state: ServingState, slots):
@@ -160,10 +169,11 @@ class _Compiled:
     >>> c = _Compiled()
     >>> c.count, c.step is _Compiled().step
     (0, False)
-    >>> c.call(c.alloc_row, ServingState.create(KimiLinearConfig.tiny(
+    >>> pool = ServingState.create(KimiLinearConfig.tiny(
     ...     num_hidden_layers=2, hidden_size=32, vocab_size=64), max_running_requests=1,
-    ...     max_context_len=4, num_token_slots=5).req_to_token_pool)[1].tolist(), c.count
-    ([1], 1)
+    ...     max_context_len=4, num_token_slots=5).req_to_token_pool
+    >>> bool(c.call(c.claim_row, pool, jnp.array([1]))[1]), c.count
+    (True, 1)
     """
 
     def __init__(self):
@@ -172,7 +182,7 @@ class _Compiled:
         self._head, self._head_sig = None, None  # the last dict first argument, its signature
         self.step = jax.jit(_step_tokens, donate_argnums=1)
         self.release = jax.jit(release, donate_argnums=0)
-        self.alloc_row = jax.jit(_alloc_row)
+        self.claim_row = jax.jit(_claim_row)
         self.admit = jax.jit(_admit_with_prefix, donate_argnums=0)
         self.borrow = jax.jit(borrow_prefix, donate_argnums=0)
         self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
@@ -246,7 +256,7 @@ class Run:
     limits: list[int] | None
     tokens: Any
     ok: Any
-    slots: Any  # the token slots the run wrote (StepOutput.token_slots; None under a mesh)
+    slots: Any  # per work item the token slots the host named (a list; () under a mesh)
     key: tuple
     compiled: bool
     t_plan: float
@@ -260,9 +270,10 @@ class Run:
 
 class Runner:
     """One engine's device side: the pools (``state``), the parameters, the jitted calls and
-    the run in flight (see the module docstring). The host's mirror of the device's free
-    stack of request rows (``free_rows``) lets admission know a row without a device read;
-    ``check_rows`` compares the two at the next commit.
+    the run in flight (see the module docstring). On one device it owns the request rows
+    (``rows``) and token slots (``slots``), ``hybridattn.engine.ids.IdPool``\\ s: the device
+    claims what the host names, and ``check_rows`` reads the row claims' flags at the next
+    commit.
 
     ``stats`` is the engine's ``EngineStats``: ``call`` adds the compilations it needed.
 
@@ -274,8 +285,8 @@ class Runner:
     >>> opts = EngineOptions(max_running_requests=2, max_context_len=16,
     ...                      num_token_slots=33).resolved(cfg)
     >>> runner = build_core(cfg, kimi_linear.init_params(cfg, jax.random.key(0)), opts).runner
-    >>> runner.compilations(), runner.free_rows, runner.inflight is None
-    (0, [2, 1], True)
+    >>> runner.compilations(), len(runner.rows), len(runner.slots), runner.inflight is None
+    (0, 2, 32, True)
     """
 
     def __init__(self, config: KimiLinearConfig, params: Any, state: ServingState, *,
@@ -294,9 +305,12 @@ class Runner:
         self.jit = _Compiled()  # this engine's own compilations
         self.sharded = sharded  # under a mesh: this engine's own ShardedStep
         self.inflight: Run | None = None  # a step not committed yet (overlap)
-        # the device's free stack of request rows, mirrored (pops from the end, as alloc)
-        self.free_rows = list(range(max_running_requests, 0, -1))
-        self._row_checks: list = []  # (rows, ok, expected row) of admissions not checked
+        # the ids the host owns on one device (under a mesh each shard allocates its own)
+        self.rows = self.slots = None
+        if sharded is None:
+            self.rows = IdPool(max_running_requests + 1, "request rows")
+            self.slots = IdPool(state.token_allocator.num_slots, "token slots")
+        self._row_checks: list = []  # (row, ok) of row claims not checked yet
 
     def compilations(self) -> int:
         """Compilations this engine has needed so far (``_Compiled.count``, or the traces of
@@ -313,16 +327,17 @@ class Runner:
         self.stats.num_compilations += self.compilations() - before
         return out
 
-    def packed(self, plan: StepPlan | ShardedPlan) -> tuple[Any, Any]:
-        """The jitted step that runs ``plan`` and its batch, packed on the host to the plan's
-        buckets: ``self.call(fn, self.params, self.state, batch)`` runs it."""
+    def packed(self, plan: StepPlan | ShardedPlan, slots=None) -> tuple[Any, Any]:
+        """The jitted step that runs ``plan`` and its batch (with ``slots``, the token slots
+        named per work item), packed on the host to the plan's buckets: ``self.call(fn,
+        self.params, self.state, batch)`` runs it."""
         B, T, W, Q = plan.buckets
         shape = dict(vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
                      forward_mode=ForwardMode(plan.mode), num_requests=B, num_tokens=T, kv_width=W,
                      max_extend_len=Q, num_snapshots=plan.num_snapshots,
                      snapshot_chunk=self.chunk_size)
         if self.sharded is None:
-            return self.jit.step, make_worker_batch(work_items(plan), **shape)
+            return self.jit.step, make_worker_batch(work_items(plan, slots), **shape)
         # one work list per data shard, one step for all of them
         return self.sharded, self.sharded.make_batch(shard_items(plan), **shape)
 
@@ -337,10 +352,12 @@ class Runner:
             stops[i, : len(r.stop_token_ids)] = sorted(r.stop_token_ids)
         return stops
 
-    def packed_decode(self, plan: StepPlan, limits: Sequence[int]) -> tuple[Any, tuple]:
+    def packed_decode(self, plan: StepPlan, limits: Sequence[int],
+                      slots: Sequence[Sequence[int]]) -> tuple[Any, tuple]:
         """The jitted multi-step decode and its arguments after the state: the DECODE batch,
-        each row's stop ids ``[B, S]`` (``_stop_ids``) and its step limit ``[B]`` (0 for
-        padding rows)."""
+        each row's stop ids ``[B, S]`` (``_stop_ids``), its step limit ``[B]`` (0 for
+        padding rows) and the token slots named for its steps (``slots[j]`` for work item
+        ``j``, as ``[N, B]``)."""
         B, T, W, Q = plan.buckets
         batch = make_worker_batch(work_items(plan), vocab_size=self.config.vocab_size,
                                   max_context_len=self.max_context_len,
@@ -348,8 +365,11 @@ class Runner:
                                   num_tokens=T, kv_width=W, max_extend_len=Q)
         lim = np.zeros(B, np.int32)
         lim[: len(limits)] = limits
+        named = np.zeros((self.decode_steps, B), np.int32)
+        for j, ss in enumerate(slots):
+            named[: len(ss), j] = ss
         return self.jit.decode(self.decode_steps), (batch, jnp.asarray(self.stop_ids(plan)),
-                                                     jnp.asarray(lim))
+                                                     jnp.asarray(lim), jnp.asarray(named))
 
     def launch(self, plan: StepPlan | ShardedPlan, t_plan: float, limits: list[int] | None,
                follow: Follow | None = None) -> Run:
@@ -361,11 +381,50 @@ class Runner:
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self.compilations()
         t_pack = time.perf_counter()
+        named = self.name_slots(plan, limits) if self.sharded is None else ()
+        try:
+            run = self._dispatch(plan, limits, follow, named)
+        except BaseException:  # nothing was dispatched: the slots are free again
+            if named:
+                self.slots.give(s for ss in named for s in ss if s)
+            raise
+        for (r, _), ss in zip(plan.work if named else (), named, strict=False):
+            r.row_slots.extend(s for s in ss if s)  # (0: a position the row holds)
+        tokens, ok, prev = run
+        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
+        # the device had nothing queued while this run was planned, unless the run before
+        # it was still computing when it was dispatched
+        busy = prev is not None and not prev.tokens.is_ready()
+        return Run(plan, limits, tokens, ok, named, key, self.compilations() > traces,
+                   t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
+                   follow.fed if follow is not None else ())
+
+    def name_slots(self, plan: StepPlan, limits: list[int] | None) -> list[list[int]]:
+        """The token slots a run of ``plan`` writes, per work item, taken from ``slots``: one
+        per token at a position past what the row holds (``Request.row_slots``; a position
+        the row borrows gets 0), or with ``limits`` one per step it may run."""
+        need = []
+        for j, (r, toks) in enumerate(plan.work):
+            if limits is not None:
+                need.append((0, limits[j]))
+                continue
+            at = r.computed + (plan.ahead[j] if plan.ahead else 0)
+            held = min(max(len(r.row_slots) - at, 0), len(toks))  # borrowed positions
+            need.append((held, len(toks) - held))
+        taken = self.slots.take(sum(n for _, n in need))
+        named, i = [], 0
+        for held, n in need:
+            named.append([0] * held + taken[i: i + n])
+            i += n
+        return named
+
+    def _dispatch(self, plan, limits, follow, named):
+        """Pack and dispatch (``launch``): ``(tokens, ok, run before)``, on the device."""
         if limits is None:
-            fn, batch = self.packed(plan)
+            fn, batch = self.packed(plan, named or None)
             rest = ()
         else:
-            fn, (batch, *rest) = self.packed_decode(plan, limits)
+            fn, (batch, *rest) = self.packed_decode(plan, limits, named)
         prev = self.inflight if follow is not None else None
         if follow is not None and follow.fed:
             B = plan.buckets[0]
@@ -376,17 +435,9 @@ class Runner:
                                jnp.asarray(last), stops)
         if limits is None:
             self.state, out = self.call(fn, self.params, self.state, batch)
-            tokens, ok, slots = out.next_token_ids, out.ok, out.token_slots
-        else:
-            self.state, tokens, ok, slots = self.call(fn, self.params, self.state, batch,
-                                                       *rest)
-        t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
-        # the device had nothing queued while this run was planned, unless the run before
-        # it was still computing when it was dispatched
-        busy = prev is not None and not prev.tokens.is_ready()
-        return Run(plan, limits, tokens, ok, slots, key, self.compilations() > traces,
-                   t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
-                   follow.fed if follow is not None else ())
+            return out.next_token_ids, out.ok, prev
+        self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
+        return tokens, ok, prev
 
     def admit_row(self, adm: Admission) -> int:
         """Allocate the admitted request's row on the device; with a cache hit the row also
@@ -396,39 +447,53 @@ class Runner:
             new, rows, oks = self.call(self.sharded.try_alloc_rows, self.state, counts)
             rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
         else:
-            # The row is known on the host (the device's free stack, mirrored), so nothing
-            # is read back: with a step in flight a read would wait for it. The device's
-            # answer is checked at the next commit (_check_rows).
-            if not self.prefix_cache:
-                pool, rows, ok = self.call(self.jit.alloc_row, self.state.req_to_token_pool)
-                new = self.state.replace(req_to_token_pool=pool)
-            else:
-                W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
-                slots = np.zeros((1, W), np.int32)
-                slots[0, : adm.borrowed] = adm.slots
-                new, rows, ok = self.call(self.jit.admit, self.state,
-                                           jnp.asarray([adm.borrowed], jnp.int32),
-                                           jnp.asarray(slots),
-                                           jnp.asarray([adm.computed], jnp.int32))
-            self.state = new
-            row = self.free_rows.pop()
-            self._row_checks.append((rows, ok, row))
-            adm.req.row_slots = list(adm.slots)
+            # The host names the row, so nothing is read back (with a step in flight a read
+            # would wait for it); the device's claim is checked at the next commit.
+            [row] = self.rows.take(1)
+            try:
+                self.state, ok = self._claim_row(adm, row)
+            except BaseException:
+                self.rows.give([row])
+                raise
+            self._row_checks.append((row, ok))
+            adm.req.row_slots, adm.req.row_borrowed = list(adm.slots), adm.borrowed
             return row
         self.state = new
         if not bool(ok):  # cannot happen while the host counts agree with the pool
             raise RuntimeError("request-row allocation failed with rows counted free")
         return int(rows[0])
 
+    def _claim_row(self, adm: Admission, row: int) -> tuple[ServingState, Any]:
+        """Claim ``row`` on the device for ``adm`` (borrowing its cached prefix, if any)."""
+        rows = jnp.asarray([row], jnp.int32)
+        if not self.prefix_cache:
+            pool, ok = self.call(self.jit.claim_row, self.state.req_to_token_pool, rows)
+            return self.state.replace(req_to_token_pool=pool), ok
+        W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
+        slots = np.zeros((1, W), np.int32)
+        slots[0, : adm.borrowed] = adm.slots
+        return self.call(self.jit.admit, self.state, rows,
+                         jnp.asarray([adm.borrowed], jnp.int32), jnp.asarray(slots),
+                         jnp.asarray([adm.computed], jnp.int32))
+
     def check_rows(self) -> None:
-        """The rows the device allocated equal the host's mirror of its free stack (read at a
-        commit, when they are ready); a disagreement cannot happen and raises."""
+        """The device claimed every row the host named (read at a commit, when the flags are
+        ready); a refusal cannot happen and raises."""
         checks, self._row_checks = self._row_checks, []
-        for rows, ok, row in checks:
-            got = int(np.asarray(rows)[0])
-            if not bool(np.asarray(ok)) or got != row:
-                raise RuntimeError(f"request-row allocation gave row {got} (ok="
-                                   f"{bool(np.asarray(ok))}); the host expected row {row}")
+        for row, ok in checks:
+            if not bool(np.asarray(ok)):
+                raise RuntimeError(f"the device refused request row {row}, which the host "
+                                   "holds free")
+
+    def finished(self, done: Sequence[Request]) -> None:
+        """``done`` finished in the commit now: the slots named for positions they will not
+        run (the rest of a multi-step decode, a step dispatched behind them, in which they
+        are padding) are free again."""
+        if self.sharded is not None:
+            return
+        for r in done:
+            self.slots.give(r.row_slots[r.computed:])
+            del r.row_slots[r.computed:]
 
     def flush_ops(self, sched) -> None:
         """Carry out the device ops the scheduler queued, in order (frees of evicted slots,
@@ -444,6 +509,7 @@ class Runner:
                 slots = np.zeros(n, np.int32)
                 slots[: len(op.slots)] = op.slots
                 self.state = self.call(self.jit.free_tokens, self.state, jnp.asarray(slots))
+                self.slots.give(op.slots)
             elif isinstance(op, Borrow):
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
@@ -452,7 +518,7 @@ class Runner:
                                         jnp.asarray([op.req.row], jnp.int32),
                                         jnp.asarray([len(op.slots)], jnp.int32),
                                         jnp.asarray(slots))
-                op.req.row_slots[: len(op.slots)] = op.slots
+                self._borrowed(op.req, op.slots)
             elif isinstance(op, Release):
                 self.state = self._release_rows(op.reqs)
             sched.op_done(op)
@@ -473,6 +539,15 @@ class Runner:
         for op in ops:
             sched.op_done(op)
 
+    def _borrowed(self, r: Request, slots: Sequence[int]) -> None:
+        """The row of ``r`` borrows ``slots`` now: the slots of its own they replace are free
+        again (as ``serving.borrow_prefix`` frees them on the device)."""
+        n, have = len(slots), r.row_slots
+        self.slots.give(old for p, (old, new) in enumerate(zip(have[:n], slots, strict=False))
+                        if p >= r.row_borrowed and old and old != new)
+        have[:n] = slots
+        r.row_borrowed = max(r.row_borrowed, n)
+
     def _release_rows(self, done: Sequence[Request]) -> ServingState:
         R = self.request_buckets[-1]
         rows = np.zeros(R, np.int32)
@@ -487,7 +562,9 @@ class Runner:
             snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
             state = self.call(self.jit.release, self.state, jnp.asarray(rows),
                                keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
-        self.free_rows.extend(r.row for r in done)  # freed in this order, as the device does
+        for r in done:  # what the row owns (past what it borrows, up to what a cache keeps)
+            self.slots.give(r.row_slots[r.row_borrowed: r.keep_from])
+        self.rows.give(r.row for r in done)
         return state
 
     def read_slots(self, req: Request, n: int) -> list[int]:

@@ -136,12 +136,12 @@ class MemoryReport:
         pool of exactly that many full contexts and no prefix cache: a report per length,
         from shapes alone. ``format_table`` prints them. The tiny model keeps 160 B of latent
         per token, so one 1M context holds 160 MiB of latents, 8 MiB of ``req_to_token`` row
-        and 5 MiB of slot allocator; the 8 default rows need 8x the pool:
+        and 9 MiB of slot allocator; the 8 default rows need 8x the pool:
 
         >>> cfg = KimiLinearConfig.tiny()
         >>> r4k, r1m = MemoryReport.by_context_len(cfg, (4096, 1 << 20), max_running_requests=1)
         >>> r4k.mla_bytes_per_token, r1m.pool_bytes // (1 << 20), r1m.req_to_token_bytes >> 20
-        (160, 173, 8)
+        (160, 177, 8)
         >>> [r.max_running_requests for r in MemoryReport.by_context_len(cfg, (4096, 1 << 20))]
         [32, 8]
         """

@@ -1,10 +1,12 @@
 """Memory pools for serving: slot allocators, request tables, the MLA KV cache, KDA states.
 
-Data flow. The host scheduler owns the allocators. For a new request it allocates a request
-row (and, for a hybrid model, a recurrent-state slot: :func:`alloc_reqs`) and, for every
-token it will run, a token slot from a :class:`SlotAllocator` over the KV cache's slots (the
-token-to-KV allocator is just a ``SlotAllocator``; nothing else is needed). It records where
-each token lives with :func:`write_token_slots` (``req_to_token[row, position] = slot``).
+Data flow. For a new request a request row is allocated (and, for a hybrid model, a
+recurrent-state slot: :func:`alloc_reqs`) and, for every token it will run, a token slot from
+a :class:`SlotAllocator` over the KV cache's slots (the token-to-KV allocator is just a
+``SlotAllocator``; nothing else is needed). A host that owns the ids (``hybridattn.Engine``)
+names them instead, and :func:`claim` / :func:`claim_reqs` check and record its choice.
+Where each token lives is recorded with :func:`write_token_slots`
+(``req_to_token[row, position] = slot``).
 The attention backends then read :func:`get_token_slots` (MLA layers gather their latent KV
 from :class:`MLATokenPool` at those slots, and write new tokens with :func:`set_mla_kv`) and
 :func:`get_linear_recurrent_indices` (KDA layers read and write their conv / SSM states in
@@ -42,7 +44,7 @@ are for the host only.
 #   K   short-conv kernel size, C: conv channels; H, Dk, Dv: KDA heads and head dims
 
 
-from hybridattn.pools.allocator import SlotAllocator, alloc, alloc_or_raise, free
+from hybridattn.pools.allocator import SlotAllocator, alloc, alloc_or_raise, claim, free
 from hybridattn.pools.indexing import LayerRef
 from hybridattn.pools.mla import MLATokenPool, get_mla_kv, get_mla_kv_flat, set_mla_kv
 from hybridattn.pools.requests import (
@@ -50,6 +52,7 @@ from hybridattn.pools.requests import (
     ReqToTokenPool,
     alloc_reqs,
     alloc_reqs_or_raise,
+    claim_reqs,
     free_reqs,
     get_linear_recurrent_indices,
     get_token_slots,
@@ -76,6 +79,8 @@ __all__ = [
     "alloc_or_raise",
     "alloc_reqs",
     "alloc_reqs_or_raise",
+    "claim",
+    "claim_reqs",
     "copy_states",
     "copy_states_to",
     "free",

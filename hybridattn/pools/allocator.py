@@ -16,6 +16,7 @@ __all__ = [
     "SlotAllocator",
     "alloc",
     "alloc_or_raise",
+    "claim",
     "free",
 ]
 
@@ -36,7 +37,9 @@ class SlotAllocator:
     ``free_slots[:num_free]`` are the free ids, the top of the stack at ``num_free - 1``;
     entries past ``num_free`` are stale. The capacity ``N`` is ``free_slots.shape[0]``.
     ``in_use[s]`` says whether slot ``s`` is handed out (``in_use[0]``, the sink, is always
-    False); :func:`free` reads it to ignore double frees. Allocating and freeing return a new
+    False); :func:`free` reads it to ignore double frees. ``stack_pos[s]`` is where a free
+    slot ``s`` sits in ``free_slots`` (stale for slots in use): :func:`claim` reads it to take
+    the slots a caller names in ``O(count)``. Allocating, claiming and freeing return a new
     allocator; the old one is left as it was.
 
     >>> a = SlotAllocator.create(5)  # slots 1..4 can be handed out
@@ -50,6 +53,7 @@ class SlotAllocator:
     free_slots: Int[Array, " N"]
     num_free: Int[Array, ""]
     in_use: Bool[Array, " S"]
+    stack_pos: Int[Array, " S"]
 
     @classmethod
     def create(cls, num_slots: int) -> SlotAllocator:
@@ -61,6 +65,8 @@ class SlotAllocator:
             free_slots=jnp.arange(n, 0, -1, dtype=jnp.int32),  # top of the stack is slot 1
             num_free=jnp.asarray(n, jnp.int32),
             in_use=jnp.zeros((num_slots,), bool),
+            # slot s sits at n - s (slot 0, the sink, nowhere: n, past the stack)
+            stack_pos=jnp.arange(n, -1, -1, dtype=jnp.int32),
         )
 
     @property
@@ -85,6 +91,10 @@ class SlotAllocator:
     def free(self, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None):
         """Same as :func:`free`."""
         return free(self, slots, mask)
+
+    def claim(self, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None):
+        """Same as :func:`claim`."""
+        return claim(self, slots, mask)
 
 
 def alloc(
@@ -159,7 +169,60 @@ def free(
     free_slots = allocator.free_slots.at[jnp.where(keep, pos, n)].set(slots, mode="drop")
     num_free = allocator.num_free + jnp.sum(keep, dtype=jnp.int32)
     in_use = allocator.in_use.at[jnp.where(keep, idx, n + 1)].set(False, mode="drop")
-    return allocator.replace(free_slots=free_slots, num_free=num_free, in_use=in_use)
+    stack_pos = allocator.stack_pos.at[jnp.where(keep, idx, n + 1)].set(pos, mode="drop")
+    return allocator.replace(free_slots=free_slots, num_free=num_free, in_use=in_use,
+                             stack_pos=stack_pos)
+
+
+def claim(
+    allocator: SlotAllocator, slots: Int[Array, " M"], mask: Bool[Array, " M"] | None = None
+) -> tuple[SlotAllocator, Bool[Array, ""]]:
+    """Take the slots a caller names: ``(allocator, ok)``. The host that owns the ids (an
+    engine) picks them; the allocator checks and records them, so the two cannot disagree.
+
+    Every ``slots[i]`` with ``mask[i]`` true (without a mask: every nonzero entry) is claimed.
+    ``ok`` is False, and the allocator comes back unchanged, if one of them is outside
+    ``1 .. N``, in use, or listed twice. The free stack stays a stack of exactly the free
+    slots, so :func:`alloc`, :func:`claim` and :func:`free` mix freely. ``O(M log M)`` work
+    (``stack_pos`` locates each slot; the claimed ones that sit below the new top swap with
+    the free ones above it), never ``O(N)``.
+
+    >>> a = SlotAllocator.create(8)  # free stack, top first: 1 2 3 4 5 6 7
+    >>> b, ok = claim(a, jnp.array([5, 2, 0]))  # 0 is ignored
+    >>> bool(ok), b.num_used, alloc(b, 5, max_count=5)[1].tolist()
+    (True, 2, [3, 4, 1, 6, 7])
+    >>> c, ok = claim(b, jnp.array([3, 5]))  # 5 is in use: nothing changes
+    >>> bool(ok), c.num_used
+    (False, 2)
+    >>> bool(claim(a, jnp.array([4, 4]))[1]), bool(claim(a, jnp.array([8]))[1])
+    (False, False)
+    """
+    n = allocator.free_slots.shape[0]
+    slots = slots.astype(jnp.int32)
+    M = slots.shape[0]
+    want = (slots != 0) if mask is None else mask
+    idx = jnp.clip(slots, 0, n)
+    valid = jnp.all(~want | ((slots > 0) & (slots <= n) & ~allocator.in_use[idx]))
+    named = jnp.sort(jnp.where(want, slots, -1 - jnp.arange(M, dtype=jnp.int32)))
+    ok = valid & ~jnp.any(named[1:] == named[:-1])  # each slot listed once
+    want = want & ok
+    k = jnp.sum(want, dtype=jnp.int32)
+    top = allocator.num_free - k  # the new top of the stack
+    in_use = allocator.in_use.at[jnp.where(want, idx, n + 1)].set(True, mode="drop")
+    # Claimed slots below ``top`` swap with the unclaimed free slots in [top, num_free):
+    # there are as many of each, paired by rank.
+    pos = allocator.stack_pos[idx]
+    low = want & (pos < top)
+    i = jnp.arange(M, dtype=jnp.int32)
+    above = allocator.free_slots[jnp.clip(top + i, 0, max(n - 1, 0))]
+    spare = (i < k) & ~in_use[above]
+    by_rank = jnp.zeros((M,), jnp.int32).at[
+        jnp.where(spare, jnp.cumsum(spare) - 1, M)].set(above, mode="drop")
+    moved = by_rank[jnp.clip(jnp.cumsum(low) - 1, 0, max(M - 1, 0))]
+    free_slots = allocator.free_slots.at[jnp.where(low, pos, n)].set(moved, mode="drop")
+    stack_pos = allocator.stack_pos.at[jnp.where(low, moved, n + 1)].set(pos, mode="drop")
+    return allocator.replace(free_slots=free_slots, num_free=top, in_use=in_use,
+                             stack_pos=stack_pos), ok
 
 
 def _free_ids(allocator: SlotAllocator) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from hybridattn._pytree import pytree_dataclass
-from hybridattn.pools.allocator import SlotAllocator, _check_int, alloc, free
+from hybridattn.pools.allocator import SlotAllocator, _check_int, alloc, claim, free
 from hybridattn.pools.indexing import _two_or_more
 from servecore.errors import PoolExhausted
 
@@ -18,6 +18,7 @@ __all__ = [
     "ReqToTokenPool",
     "alloc_reqs",
     "alloc_reqs_or_raise",
+    "claim_reqs",
     "free_reqs",
     "get_linear_recurrent_indices",
     "get_token_slots",
@@ -156,6 +157,38 @@ def alloc_reqs(
 
 
 _alloc_reqs_jit = jax.jit(alloc_reqs, static_argnames="max_count")
+
+
+def claim_reqs(
+    pool: ReqToTokenPool, req_indices: Int[Array, " B"], mask: Bool[Array, " B"] | None = None
+) -> tuple[ReqToTokenPool, Bool[Array, ""]]:
+    """Take the request rows the host names (every nonzero ``req_indices[i]``, or those with
+    ``mask[i]``): ``(pool, ok)``, as :func:`pools.claim <hybridattn.pools.claim>`. On a
+    :class:`HybridReqToTokenPool` each also gets a state slot (allocated: the host never
+    names those). ``ok`` False (a row in use, out of range or named twice; too few state
+    slots): the pool comes back unchanged.
+
+    >>> pool = HybridReqToTokenPool.create(max_running_requests=3, max_context_len=8)
+    >>> pool, ok = claim_reqs(pool, jnp.array([3, 0]))
+    >>> bool(ok), pool.req_to_state.tolist()  # row 3 got state slot 1
+    (True, [0, 0, 0, 1])
+    >>> bool(claim_reqs(pool, jnp.array([3]))[1])  # in use already
+    False
+    """
+    allocator, ok = claim(pool.allocator, req_indices, mask)
+    if not isinstance(pool, HybridReqToTokenPool):
+        return pool.replace(allocator=allocator), ok
+    want = (req_indices != 0) if mask is None else mask
+    B = req_indices.shape[0]
+    count = jnp.where(ok, jnp.sum(want, dtype=jnp.int32), -1)  # -1: allocates nothing
+    state_allocator, states, ok = alloc(pool.state_allocator, count, max_count=B)
+    allocator = jax.tree.map(lambda a, b: jnp.where(ok, a, b), allocator, pool.allocator)
+    num_rows = pool.req_to_state.shape[0]
+    rows = jnp.where(want & ok, req_indices, num_rows)
+    req_to_state = pool.req_to_state.at[rows].set(
+        states[jnp.clip(jnp.cumsum(want) - 1, 0, B - 1)], mode="drop")
+    return pool.replace(allocator=allocator, state_allocator=state_allocator,
+                        req_to_state=req_to_state), ok
 
 
 def alloc_reqs_or_raise(pool: ReqToTokenPool, count: int) -> tuple[ReqToTokenPool, np.ndarray]:

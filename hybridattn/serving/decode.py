@@ -52,6 +52,18 @@ def _decode_limits(batch: ModelWorkerBatch, num_steps: int, stop_token_ids, max_
     return stop_token_ids, limits
 
 
+def _named_slots(batch: ModelWorkerBatch, num_steps: int, slots):
+    """:func:`decode_steps`'s checked host ``slots`` and its first batch (which carries the
+    ``out_cache_loc`` field from the start, as every step of the loop does)."""
+    if slots is None:
+        return None, batch
+    B = batch.batch_size
+    if slots.shape != (num_steps, B):
+        raise ValueError(f"slots has shape {slots.shape}, expected [num_steps={num_steps}, "
+                         f"B={B}]")
+    return slots, batch.replace(out_cache_loc=slots[0])
+
+
 def decode_steps(
     params,
     state: ServingState,
@@ -60,6 +72,7 @@ def decode_steps(
     stop_token_ids: Int[Array, "B S"] | None = None,
     max_tokens: Int[Array, " B"] | None = None,
     return_slots: bool = False,
+    slots: Int[Array, "N B"] | None = None,
 ) -> (tuple[ServingState, Int[Array, "N B"], Bool[Array, ""]]
       | tuple[ServingState, Int[Array, "N B"], Bool[Array, ""], Int[Array, "N B"]]):
     """Up to ``num_steps`` greedy-or-sampled decode steps in one ``lax.while_loop``,
@@ -68,16 +81,15 @@ def decode_steps(
     tokens [num_steps, B], ok)``: ``tokens[i, b]`` is what row ``b`` sampled at step ``i``,
     or -1 where the row ran no step ``i`` (padding, a finished row, a failed step); ``ok``
     is False if a step ran out of slots (that step and the later ones changed nothing). With
-    ``return_slots``, also ``slots [num_steps, B]``: the token slot each step wrote row
-    ``b``'s token to (0 where it ran none), as ``StepOutput.token_slots``.
+    ``return_slots``, also the ``[num_steps, B]`` slots each step wrote (0: none). ``slots``
+    (``[num_steps, B]``): the host's token slots (``out_cache_loc``; None: steps allocate).
 
     A request finishes inside the run when it samples one of its ``stop_token_ids[b]``
     (padded with -1; default: none) or has run ``max_tokens[b]`` steps (default:
-    ``num_steps``; 0: it runs none). From the next step on its row is padding: no token slot,
-    no ``req_to_token`` entry, no MLA latent or KDA state written, so the pools end as if it
-    had been stepped alone up to its finish. The loop ends early once every row has
-    finished. Sampling keys depend on the request and position only, so the tokens are those
-    of ``step`` called step by step.
+    ``num_steps``; 0: it runs none). From the next step on its row is padding (no token slot,
+    nothing written): the pools end as if it had been stepped alone up to its finish. The loop
+    ends early once every row has finished. Sampling keys depend on the request and position
+    only, so the tokens are those of ``step`` called step by step.
 
     Jit it with ``num_steps`` static: ``jax.jit(decode_steps, static_argnums=3,
     donate_argnums=1)``; it compiles once per batch bucket, ``num_steps`` and stop-set width
@@ -104,6 +116,7 @@ def decode_steps(
     B = batch.batch_size
     alive = (batch.req_pool_indices > 0) & (batch.extend_seq_lens > 0) & (limits > 0)
     tokens = jnp.full((num_steps, B), -1, jnp.int32)
+    given, batch = _named_slots(batch, num_steps, slots)
     slots = jnp.zeros((num_steps, B), jnp.int32)
 
     def cond(carry):
@@ -112,6 +125,8 @@ def decode_steps(
 
     def body(carry):
         i, state, batch, alive, ran, ok, tokens, slots = carry
+        if given is not None:
+            batch = batch.replace(out_cache_loc=given[i])
         state, out = step(params, state, batch)
         ok &= out.ok
         stepped = alive & out.ok  # a failed step ran every row as padding

@@ -12,6 +12,7 @@ from hybridattn.backends import (
 from hybridattn.models import kimi_linear
 from hybridattn.pools import (
     alloc,
+    claim,
     copy_states_to,
     write_token_slots,
 )
@@ -98,14 +99,15 @@ def step(
     the state donated (``jax.jit(step, donate_argnums=1)``); it compiles once per shape bucket
     of ``batch``.
 
-    Allocates a token slot for every new token and records it in ``req_to_token``; runs the
-    model through the hybrid backend (MLA latents and KDA states written to the pools);
-    samples each request's next token from its last new token's logits. Rows with no new
-    token are padding. If the token slots run out, or the batch does not fit the state (a row
-    that is negative, past the pool, free or repeated, a padding row carrying tokens,
-    ``seq_lens`` that disagree with a row's recorded length, a token outside the vocabulary, a
-    length beyond the batch's buckets), ``ok`` is False: every request runs as padding, so only
-    the slot-0 sinks are written and every live slot is unchanged.
+    Allocates a token slot for every new token (or claims those the batch names in
+    ``out_cache_loc``) and records it in ``req_to_token``; runs the model through the hybrid
+    backend (MLA latents and KDA states written to the pools); samples each request's next
+    token from its last new token's logits. Rows with no new token are padding. If the token
+    slots run out (or one ``out_cache_loc`` names is in use, outside the pool or named
+    twice), or the batch does not fit the state (a row that is negative, past the pool, free
+    or repeated, a padding row carrying tokens, ``seq_lens`` that disagree with a row's
+    recorded length, a token outside the vocabulary, a length beyond the batch's buckets),
+    ``ok`` is False: every request runs as padding, so only the slot-0 sinks are written.
 
     ``comm`` is for ``hybridattn.sharding``, which runs this step on every device of a mesh
     with that device's shard of ``params`` and ``state`` (None: one device).
@@ -189,14 +191,20 @@ def _forward_batch(state: ServingState, batch: ModelWorkerBatch):
     # recomputed there (from a snapshot shallower than the cached KV) write to the sink.
     borrowed = pool.borrowed[jnp.clip(batch.req_pool_indices, 0, num_rows - 1)]
     fresh = live & (pos >= borrowed[b])
-    allocator, packed, ok = alloc(state.token_allocator, jnp.where(fits, jnp.sum(fresh), -1),
-                                  max_count=T)
+    if batch.out_cache_loc is None:  # the step picks the slots
+        allocator, packed, ok = alloc(state.token_allocator,
+                                      jnp.where(fits, jnp.sum(fresh), -1), max_count=T)
+        slots = packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)]
+    else:  # the host named them: each must be free (and named once)
+        allocator, ok = claim(state.token_allocator, batch.out_cache_loc, fresh & fits)
+        ok &= fits
+        slots = batch.out_cache_loc
     # A failed step turns every request into padding: row 0, state slot 0, token slot 0 (the
     # sinks), so the forward runs but writes nothing live; no lax.cond, no pool copies.
     go = ok & (batch.extend_seq_lens > 0)
     req_rows = jnp.where(go, batch.req_pool_indices, 0)
     fresh = fresh & ok
-    slots = jnp.where(fresh, packed[jnp.clip(jnp.cumsum(fresh) - 1, 0, T - 1)], 0)
+    slots = jnp.where(fresh, slots, 0)
     req_pool = write_token_slots(pool, jnp.where(fresh, req_rows[b], 0), pos, slots, fresh)
     req_pool = req_pool.replace(req_lens=req_pool.req_lens.at[
         jnp.where(req_rows > 0, req_rows, num_rows)].set(batch.seq_lens, mode="drop"))

@@ -44,6 +44,11 @@ class ModelWorkerBatch:
     before the forward; 0: none) and ``snapshots`` (``SnapshotSpec``: states to copy into
     snapshot slots at given depths along the extend).
 
+    ``out_cache_loc`` (``[T]``, laid out as ``input_ids``; None: ``step`` allocates) is the
+    token slot each new token is written to when the host owns the slot ids (an engine):
+    ``step`` then claims those slots instead of allocating (``pools.claim``); an entry for a
+    token below its row's borrowed length, or for padding, is ignored (write 0 there).
+
     A mixed batch padded to ``B = 3`` requests and ``T = 8`` tokens: row 1 prefills a 3-token
     prompt while row 2, with 4 tokens in the pools, decodes one more:
 
@@ -83,6 +88,7 @@ class ModelWorkerBatch:
     forward_mode: ForwardMode = ForwardMode.EXTEND
     restore_from: Int[Array, " B"] | None = None
     snapshots: SnapshotSpec | None = None
+    out_cache_loc: Int[Array, " T"] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -107,6 +113,8 @@ class ModelWorkerBatch:
             max_extend_len=1,
             restore_from=None,
             snapshots=None,
+            out_cache_loc=None if self.out_cache_loc is None else jnp.zeros_like(
+                self.out_cache_loc),  # the host names the next step's slots
         )
 
 
@@ -124,6 +132,10 @@ class WorkItem(NamedTuple):
     >>> decode.prefix_len + len(decode.token_ids)  # the request's length after the step
     5
     >>> hit = WorkItem(3, 64, [7, 8], restore_from=2, snapshots=((65, 5),))
+
+    ``slots`` (one per token; empty: the step allocates) are the token slots the host chose
+    for ``token_ids`` (0 for a position the row borrows), carried as the batch's
+    ``out_cache_loc``; the items of one batch all give them or none does.
     """
 
     req_index: int
@@ -132,6 +144,7 @@ class WorkItem(NamedTuple):
     sampling: SamplingParams = SamplingParams()
     restore_from: int = 0
     snapshots: tuple[tuple[int, int], ...] = ()
+    slots: Sequence[int] = ()
 
 
 def make_worker_batch(
@@ -184,6 +197,8 @@ def make_worker_batch(
     lens, seq, B, T, W, Q = _buckets(items, tokens, forward_mode, max_context_len,
                                      num_requests, num_tokens, kv_width, max_extend_len)
     extras = _snapshot_fields(items, tokens, forward_mode, B, num_snapshots, snapshot_chunk)
+    if any(len(it.slots) for it in items):
+        extras["out_cache_loc"] = _pad(np.concatenate([it.slots for it in items]), T)
     sp = [it.sampling for it in items]
     return ModelWorkerBatch(
         input_ids=_pad(np.concatenate(tokens), T),
@@ -209,13 +224,14 @@ def _check_items(items, vocab_size, max_context_len, forward_mode, state):
         pool = state.req_to_token_pool
         recorded = (np.asarray(pool.req_to_state), np.asarray(pool.req_lens))
     seen: set[int] = set()
-    return [_check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen)
-            for n, it in enumerate(items)]
+    seen_slots = [any(len(it.slots) for it in items)]
+    return [_check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen,
+                        seen_slots) for n, it in enumerate(items)]
 
 
-def _check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen):
-    """Item ``n``'s checks (``seen``: the rows of the items before it, this one added);
-    returns its token ids."""
+def _check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen, seen_slots):
+    """Item ``n``'s checks (``seen``: the rows of the items before it, this one added;
+    ``seen_slots[0]``: whether the batch gives token slots); returns its token ids."""
     row = check_int(f"request {n}: req_index", it.req_index, 1)
     where = f"request {n} (row {row})"
     ids = token_ids(f"{where}: token_ids", it.token_ids, vocab_size)
@@ -231,6 +247,9 @@ def _check_item(n, it, vocab_size, max_context_len, forward_mode, recorded, seen
                          f"{len(ids)}")
     if not isinstance(it.sampling, SamplingParams):
         raise ValueError(f"{where}: sampling={it.sampling!r} must be a SamplingParams")
+    if len(it.slots) != (len(ids) if seen_slots[0] else 0):
+        raise ValueError(f"{where}: {len(it.slots)} token slots for {len(ids)} tokens (the "
+                         "items of a batch all give one slot per token, or none does)")
     if recorded is not None:
         states, lens = recorded
         if row >= states.shape[0] or states[row] == 0:

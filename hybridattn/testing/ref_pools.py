@@ -91,6 +91,24 @@ class RefSlotAllocator:
         self.check(allocator)
         return allocator
 
+    def claim(self, slots: Int[ArrayLike, " M"], allocator: SlotAllocator,
+              ok: Bool[ArrayLike, ""], mask: Bool[ArrayLike, " M"] | None = None,
+              ) -> SlotAllocator:
+        """Check ``(allocator, ok) = pools.claim(old, slots, mask)`` and record it: ``ok``
+        must be whether the named slots (``mask``, else the nonzero entries) are distinct and
+        free; then ``check`` ``(allocator)``. Returns ``allocator``."""
+        slots = host(slots).astype(np.int64).reshape(-1)
+        named = slots[slots != 0] if mask is None else slots[host(mask).astype(bool)]
+        ids = named.tolist()
+        expect = len(set(ids)) == len(ids) and set(ids) <= self.free
+        if bool(ok) != expect:
+            fail(f"claim({ids}) with free {sorted(self.free)}: ok={bool(ok)}, expected "
+                 f"{expect}")
+        if expect:
+            self._take(ids, f"claim({ids})")
+        self.check(allocator)
+        return allocator
+
     def _take(self, got: list[int], what: str) -> None:
         """Record ``got`` as handed out by ``what``: they must be distinct free slots."""
         if len(set(got)) != len(got) or not set(got) <= self.free:
@@ -121,6 +139,10 @@ class RefSlotAllocator:
             fail(f"a slot is free twice: free stack {stack}")
         if set(stack) != self.free:
             fail(f"free slots {sorted(stack)}, expected {sorted(self.free)}")
+        pos = host(allocator.stack_pos)
+        lost = [(s, int(pos[s]), i) for i, s in enumerate(stack) if pos[s] != i]
+        if lost:
+            fail(f"stack_pos disagrees with the free stack: (slot, stack_pos, place) {lost}")
         if allocator.num_used != len(self.used):
             fail(f"num_used={allocator.num_used}, expected {len(self.used)}")
         in_use = set(np.flatnonzero(host(allocator.in_use)).tolist())

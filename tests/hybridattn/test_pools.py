@@ -46,6 +46,7 @@ MAX_COUNT = 5
 FREE_WIDTH = 10  # ids passed to one free
 
 alloc_jit = jax.jit(functools.partial(pools.alloc, max_count=MAX_COUNT))
+claim_jit = jax.jit(pools.claim)
 free_jit = jax.jit(pools.free)
 
 
@@ -96,6 +97,33 @@ class SlotAllocatorMachine(RuleBasedStateMachine):
             self.allocator = free_jit(self.allocator, jnp.where(mask, ids, 0))
         self.ref.free_slots(ids, mask)
         assert not freed & self.ref.used
+
+    @rule(data=st.data(), use_mask=st.booleans())
+    def claim_some(self, data, use_mask):
+        # the host names the slots: mostly free ones, sometimes one in use, out of range or
+        # listed twice (then nothing changes)
+        free = sorted(self.ref.free)
+        ids = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=FREE_WIDTH)
+                        if free else st.just([]), label="claimed")
+        bad = data.draw(st.sampled_from(["none", "none", "used", "range", "twice"]))
+        if bad == "used" and self.ref.used:
+            ids = [*ids, data.draw(st.sampled_from(sorted(self.ref.used)))][-FREE_WIDTH:]
+        elif bad == "range":
+            ids = [*ids, data.draw(st.sampled_from([-1, NUM_SLOTS]))][-FREE_WIDTH:]
+        elif bad == "twice" and ids:
+            ids = [*ids, ids[0]][-FREE_WIDTH:]
+        padded = np.zeros(FREE_WIDTH, np.int32)
+        padded[: len(ids)] = ids
+        order = np.asarray(data.draw(st.permutations(range(FREE_WIDTH))))
+        padded = padded[order]
+        before = host(self.allocator)
+        mask = padded != 0 if use_mask else None
+        new, ok = claim_jit(self.allocator, jnp.asarray(padded),
+                            None if mask is None else jnp.asarray(mask))
+        self.allocator = self.ref.claim(padded, new, ok, mask)
+        if not bool(ok):
+            event("claim failed")
+            chex.assert_trees_all_equal(new, before)
 
     @invariant()
     def conserved(self):

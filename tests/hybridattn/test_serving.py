@@ -322,10 +322,14 @@ def test_overlapped_scheduling_equals_the_synchronous_engine(decode_steps):
                     k += 1
             for rid, tok, _ in eng.step():
                 outs.setdefault(rid_of[rid], []).append(tok)
-            # the host's copy of each row's token slots, which the prefix cache reads
+            # the host's token slots of each row (it named them; the prefix cache reads
+            # them): what ran is in req_to_token; a slot named for a step still in flight
+            # that the row will not run (it stops before) is not written there
             table = np.asarray(eng.state.req_to_token_pool.req_to_token)
             for r in eng.scheduler.running:
-                assert r.row_slots == table[r.row, : len(r.row_slots)].tolist()
+                have = table[r.row, : len(r.row_slots)].tolist()
+                assert have[: r.computed] == r.row_slots[: r.computed]
+                assert all(h in (s, 0) for h, s in zip(have, r.row_slots, strict=True))
         return [outs.get(i, []) for i in range(n)]
 
     sync, over = engine(decode_steps=decode_steps, overlap=False), engine(
@@ -352,8 +356,10 @@ def test_follow_feeds_rows_from_the_run_in_flight_and_drops_the_stopped(stopped)
 
     prev = jnp.array([[40, 41, 42], [43, -1, 44]])  # a 2-step run: [N, B'] (row 1 stopped)
     sampled = {0: 44, 1: 40}  # decode row 0 <- column 2, row 1 <- column 0 (step 0)
-    items = [S.WorkItem(1, 5, [0]), S.WorkItem(2, 7, [0]), S.WorkItem(3, 0, [11, 12, 13]),
-             S.WorkItem(4, 2, [21, 22])]
+    slots = {0: [50], 1: [51], 2: [52, 53, 54], 3: [55, 56]}  # the host's, moved with them
+    items = [S.WorkItem(1, 5, [0], slots=slots[0]), S.WorkItem(2, 7, [0], slots=slots[1]),
+             S.WorkItem(3, 0, [11, 12, 13], slots=slots[2]),
+             S.WorkItem(4, 2, [21, 22], slots=slots[3])]
     shape = dict(vocab_size=64, max_context_len=32, num_requests=6, num_tokens=10,
                  kv_width=16, max_extend_len=4)
     batch = S.make_worker_batch(items, **shape)
@@ -363,9 +369,11 @@ def test_follow_feeds_rows_from_the_run_in_flight_and_drops_the_stopped(stopped)
     got = _follow(batch, prev, jnp.array([2, 0, -1, -1, -1, -1]), jnp.array([1, 0, 0, 0, 0, 0]),
                   jnp.asarray(stops))
     known = [S.WorkItem(it.req_index, it.prefix_len, [sampled[i]] if i in sampled else
-                        it.token_ids) for i, it in enumerate(items) if i not in stopped]
+                        it.token_ids, slots=it.slots) for i, it in enumerate(items)
+             if i not in stopped]
     want = S.make_worker_batch(known, **shape)
     assert got.input_ids.tolist() == want.input_ids.tolist()
+    assert got.out_cache_loc.tolist() == want.out_cache_loc.tolist()
     live = [i for i in range(6) if i not in stopped]
     for field in ("req_pool_indices", "seq_lens", "extend_seq_lens"):
         g, w = getattr(got, field).tolist(), getattr(want, field).tolist()
@@ -730,6 +738,44 @@ def test_a_batch_that_does_not_fit_fails_the_step_and_changes_nothing_live(bad):
                                   np.asarray(state.req_to_token_pool.req_to_token))
     for a, b in zip(new.recurrent_state_pool.ssm, state.recurrent_state_pool.ssm, strict=True):
         np.testing.assert_array_equal(np.asarray(a[1:]), np.asarray(b[1:]))  # all but the sink
+
+
+@pytest.mark.parametrize("bad", [None, "in_use", "twice", "out_of_range", "missing"])
+def test_a_step_claims_the_slots_the_host_names(bad):
+    """A batch that names its token slots (``out_cache_loc``) runs exactly as the step that
+    allocates (same tokens and logits; the latents at the named slots), records them in
+    ``req_to_token`` and leaves the allocator a stack of the rest; naming a slot in use, one
+    twice, one outside the pool or none for a new token fails the step and changes nothing."""
+    state, rows, lens, toks = prefilled()
+    want_state, want = _step(PARAMS, state, decode_batch(rows, lens, toks, [0, 1]))
+    used = set(np.flatnonzero(np.asarray(state.token_allocator.in_use)).tolist())
+    named = {None: [300, 200], "in_use": [300, min(used)], "twice": [300, 300],
+             "out_of_range": [300, 385], "missing": [300, 0]}[bad]
+    loc = np.zeros(4, np.int32)
+    loc[:2] = named
+    batch = decode_batch(rows, lens, toks, [0, 1]).replace(out_cache_loc=jnp.asarray(loc))
+    new, out = _step(PARAMS, state, batch)
+    a = new.token_allocator
+    if bad is not None:
+        assert not bool(out.ok)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(state.token_allocator), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(new.req_to_token_pool.req_to_token),
+                                      np.asarray(state.req_to_token_pool.req_to_token))
+        return
+    assert bool(out.ok) and out.next_token_ids.tolist() == want.next_token_ids.tolist()
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(want.logits), atol=1e-6)
+    table = np.asarray(new.req_to_token_pool.req_to_token)
+    assert [int(table[r, n]) for r, n in zip(rows, lens, strict=True)] == named
+    assert out.token_slots.tolist()[:2] == named
+    for r, n, slot in zip(rows, lens, named, strict=True):
+        got = want_state.req_to_token_pool.req_to_token[r, n]
+        np.testing.assert_allclose(np.asarray(new.token_to_kv_pool.c_kv[0][slot]),
+                                   np.asarray(want_state.token_to_kv_pool.c_kv[0][got]),
+                                   atol=1e-6)
+    free = np.asarray(a.free_slots)[: int(a.num_free)].tolist()
+    assert sorted(free) == sorted(set(range(1, 385)) - used - set(named))
+    assert all(int(a.stack_pos[f]) == i for i, f in enumerate(free))
 
 
 def test_release_twice_is_a_no_op():
