@@ -6,7 +6,7 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 
 * ``servecore.sampling``: ``SamplingParams`` (one field order, one set of range checks,
   tiny temperatures and top-p values treated as greedy).
-* ``servecore.errors``: ``PoolExhausted(requested, available)``.
+* ``servecore.errors``: ``PoolExhausted(requested, available)``, ``EngineClosedError``.
 * ``servecore.stats``: ``ServingStats``, the counters and the throughput definitions.
 * ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
 * ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,
@@ -19,7 +19,9 @@ vocabulary. This package holds those concepts once, and imports neither JAX nor 
 * ``servecore.requests``: one request builder (argument names, checks, the finishing rule).
 * ``servecore.engine``: the protocol an engine's core implements (``EngineCore``, ``Event``).
 * ``servecore.streams``: ``Streams``, the multi-user contract (``generate``, ``stream``,
-  ``add_request`` / ``step`` / ``abort``) written once over any ``EngineCore``.
+  ``add_request`` / ``step`` / ``abort``, ``close``) written once over any ``EngineCore``.
+* ``servecore.thread``: ``OwnerThread``, ``ThreadedCore``: a core whose every call runs on
+  one thread the engine owns (mlxcache: MLX's per-thread state, a clean exit).
 * ``servecore.testing``: a real Hugging Face tokenizer small enough to reason about.
 
 >>> import servecore

@@ -21,6 +21,8 @@ The core's promises:
   every request as it was, emitting nothing, and the next round runs them again
   (hybridattn: its device step commits nothing that failed).
 * ``has_work()``: whether any request is queued, running or has tokens in flight.
+* ``close()``: release what the core holds for serving (pools, buffers, requests); no other
+  call follows (``Streams.close`` makes sure). Idempotent.
 
 An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of its core's
 parts (``delegate``).
@@ -64,6 +66,7 @@ class EngineCore(Protocol):
     ...     def cancel(self, rid): return False
     ...     def run_round(self, emit): return False
     ...     def has_work(self): return False
+    ...     def close(self): ...
     >>> isinstance(Idle(), EngineCore)
     True
     """
@@ -79,6 +82,9 @@ class EngineCore(Protocol):
 
     def has_work(self) -> bool:
         """Whether any request is queued, running or has tokens in flight."""
+
+    def close(self) -> None:
+        """Release the pools and buffers; the last call the core gets (idempotent)."""
 
 
 def delegate(path: str, doc: str, *, missing: Any = _REQUIRED) -> property:

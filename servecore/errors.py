@@ -1,12 +1,14 @@
-"""``PoolExhausted``: a host-side allocation asked for more slots than are free.
+"""The errors both engines raise alike: ``PoolExhausted`` (a host-side allocation asked for
+more slots than are free) and ``EngineClosedError`` (a call to an engine after its
+``close()``).
 
-One exception class for both engines (``hybridattn.PoolExhausted`` and
+One class each for both engines (``hybridattn.PoolExhausted`` and
 ``mlxcache.pool.PoolExhausted`` are this class), with the numbers as attributes.
 """
 
 from __future__ import annotations
 
-__all__ = ["PoolExhausted"]
+__all__ = ["EngineClosedError", "PoolExhausted"]
 
 
 class PoolExhausted(RuntimeError):
@@ -32,3 +34,9 @@ class PoolExhausted(RuntimeError):
 
     def __reduce__(self):  # picklable with its numbers (xdist, multiprocessing)
         return (type(self), (self.requested, self.available, self.what, self.capacity))
+
+
+class EngineClosedError(RuntimeError):
+    """A call to an engine after its ``close()`` (the message names the engine); also what
+    a stream that was still unfinished when its engine closed raises, once its tokens made
+    before the close are read."""

@@ -15,6 +15,13 @@ The contract with callers:
   of it; one dropped while a round runs is aborted by the next round.
 - Calls from several threads are serialized by one lock, a round at a time; a call from inside
   a round (a model or tokenizer calling back into the engine) is refused.
+- ``close()`` ends the engine, from any thread, idempotently: it waits for the call under way
+  (the lock), then the core releases everything it holds (``EngineCore.close``). A stream
+  still unfinished then yields the tokens made before the close and raises
+  ``servecore.errors.EngineClosedError`` (a clear end, never a silently short answer); every
+  later call (``generate``, ``stream``, ``add_request``, ``step``, ``abort``,
+  ``has_unfinished``, ``serialized``) raises it too, naming the engine. Closing a stream
+  of a closed engine is a no-op.
 - A round that fails raises in the call that ran it. A core that drops the requests it was
   serving says which (a core whose rounds are transactions drops none: they run again): a
   stream that owned a dropped request raises ``RuntimeError`` (caused by it) once its queued
@@ -47,16 +54,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from servecore.engine import EngineCore, Event
+from servecore.errors import EngineClosedError
 from servecore.progress import progress_bar
 from servecore.prompts import check_text, decode
 from servecore.requests import DEFAULT_MAX_TOKENS, GenerationRequest, RequestBuilder
+from servecore.thread import current_owner
 
 __all__ = ["Stream", "Streams"]
 
 
 class Streams:
     """The shared front of an engine: request ids, outboxes, and the calls users make (see the
-    module docstring). ``core`` runs the rounds; ``build`` makes checked requests.
+    module docstring). ``core`` runs the rounds; ``build`` makes checked requests; ``name``
+    names the engine in ``EngineClosedError``.
 
     >>> from servecore.requests import RequestBuilder
     >>> from servecore.testing import FakeCore
@@ -66,9 +76,11 @@ class Streams:
     [[(0, 3, False)], [(0, 10, False)], [(0, 17, True)]]
     """
 
-    def __init__(self, core: EngineCore, build: RequestBuilder):
+    def __init__(self, core: EngineCore, build: RequestBuilder, *, name: str = "the engine"):
         self.core = core
         self.build = build
+        self.name = name
+        self._closed = False
         self._lock = threading.RLock()
         self._next_rid = 0
         self._requests: dict[int, GenerationRequest] = {}  # undelivered to their owner yet
@@ -207,13 +219,57 @@ class Streams:
             self._delivered(rid)
             self.core.cancel(rid)
 
-    def _entered(self) -> _Entered:
-        return _Entered(self)
+    def _entered(self, closed_ok: bool = False) -> _Entered:
+        return _Entered(self, closed_ok)
+
+    # ------------------------------------------------------------------- closing ----
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """End the engine (the module docstring): after the call under way, the core releases
+        everything it holds (``EngineCore.close``); unfinished streams raise
+        ``EngineClosedError`` once their tokens are read; later calls raise it. Idempotent,
+        from any thread; refused from inside a round.
+
+        >>> from servecore.requests import RequestBuilder
+        >>> from servecore.testing import FakeCore
+        >>> streams = Streams(FakeCore(), RequestBuilder(vocab_size=32), name="demo")
+        >>> s = streams.stream([[1]], 3)
+        >>> next(s)
+        (0, 1)
+        >>> streams.close(); streams.close(); streams.core.closed
+        True
+        >>> next(s)
+        Traceback (most recent call last):
+        ...
+        servecore.errors.EngineClosedError: demo was closed before request(s) [0] of this stream ...
+        >>> streams.step()
+        Traceback (most recent call last):
+        ...
+        servecore.errors.EngineClosedError: demo is closed: build a new engine
+        """
+        with self._entered(closed_ok=True):
+            if self._closed:
+                return
+            self._closed = True
+            self._owner.clear()
+            self._requests.clear()
+            self._steps.clear()
+            self._orphans.clear()
+            self.core.close()
+
+    def closed_error(self) -> EngineClosedError:
+        """The error a call to the closed engine raises (it names the engine)."""
+        return EngineClosedError(f"{self.name} is closed: build a new engine")
 
     def serialized(self) -> _Entered:
         """The engine's lock, for work outside rounds that must not interleave with them (a
         cache reset, reading consistent stats): ``with streams.serialized(): ...``; refused
-        from inside a round."""
+        from inside a round and once closed (``EngineClosedError``)."""
         return _Entered(self)
 
 
@@ -229,20 +285,33 @@ def _max_tokens(max_tokens: Any, max_new_tokens: Any) -> Any:
     return max_new_tokens
 
 
+_REENTERED = ("the engine was called from inside one of its own steps (by the model or the "
+              "tokenizer?); it serves one step at a time")
+
+
 class _Entered:
     """The lock, refusing a call from inside a round (the model or the tokenizer calling
-    back): a round must not start inside another."""
+    back): a round must not start inside another; and, unless ``closed_ok``, a call to a
+    closed engine."""
 
-    def __init__(self, streams: Streams):
+    def __init__(self, streams: Streams, closed_ok: bool = False):
         self._streams = streams
+        self._closed_ok = closed_ok
 
     def __enter__(self) -> None:
         s = self._streams
+        # A callback on the core's owner thread (``servecore.thread``): the lock is held by
+        # the thread waiting for that round, so refuse before waiting on it.
+        owner = current_owner()
+        if s._in_round and owner is not None and owner is getattr(s.core, "owner", None):
+            raise RuntimeError(_REENTERED)
         s._lock.acquire()
         if s._in_round:
             s._lock.release()
-            raise RuntimeError("the engine was called from inside one of its own steps (by "
-                               "the model or the tokenizer?); it serves one step at a time")
+            raise RuntimeError(_REENTERED)
+        if s._closed and not self._closed_ok:
+            s._lock.release()
+            raise s.closed_error()
         s._depth += 1
 
     def __exit__(self, *exc: Any) -> None:
@@ -294,7 +363,7 @@ class Stream(Iterator[tuple[int, int]]):
     def __next__(self) -> tuple[int, int]:
         s = self._streams
         while True:
-            with s._entered():
+            with s._entered(closed_ok=True):
                 got = self._take()
                 if got is not None:
                     return got
@@ -305,6 +374,12 @@ class Stream(Iterator[tuple[int, int]]):
                             f"request(s) {self._lost} of this stream were dropped: a step "
                             f"serving them failed ({self._error!r})") from self._error
                     raise StopIteration
+                if s._closed:
+                    left, self._left = sorted(self._left), set()
+                    self._end()
+                    raise EngineClosedError(
+                        f"{s.name} was closed before request(s) "
+                        f"{[rid - self._rids[0] for rid in left]} of this stream finished")
                 if not s._round() and not self._events:  # a bug, never a user error
                     raise RuntimeError(f"the engine has nothing to run but requests "
                                        f"{sorted(self._left)} of this stream are unfinished")
@@ -332,10 +407,13 @@ class Stream(Iterator[tuple[int, int]]):
         return None
 
     def close(self) -> None:
-        """Abort this stream's unfinished requests and stop yielding."""
+        """Abort this stream's unfinished requests and stop yielding (on a closed engine:
+        stop yielding)."""
         s = self._streams
-        with s._entered():
+        with s._entered(closed_ok=True):
             left, self._left = sorted(self._left), set()
+            if s._closed:
+                left = []
             failed: BaseException | None = None
             for rid in left:  # every one, even after a cancel failed: none is left orphaned
                 s._delivered(rid)
@@ -365,9 +443,9 @@ class Stream(Iterator[tuple[int, int]]):
         # (the lock is reentrant); otherwise the next round (or has_unfinished) aborts what
         # is left.
         try:
-            if not self._left:
-                return
             s = self._streams
+            if not self._left or s._closed:
+                return
             if s._lock.acquire(blocking=False):
                 try:
                     if not s._depth:

@@ -167,6 +167,7 @@ class FakeCore:
         self.requests: dict[int, GenerationRequest] = {}
         self.fail_next = False
         self.dropped: list[int] = []
+        self.closed = False
 
     def submit(self, rid: int, request: GenerationRequest) -> None:
         """Queue ``request``."""
@@ -183,6 +184,12 @@ class FakeCore:
     def has_work(self) -> bool:
         """Whether any request is queued or running."""
         return bool(self.waiting or self.running)
+
+    def close(self) -> None:
+        """Forget every request (``closed`` becomes True)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.closed = True
 
     def run_round(self, emit) -> bool:
         """Admit what fits, then one token of every running request (or the failure)."""

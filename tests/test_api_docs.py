@@ -98,6 +98,7 @@ SERVECORE_API = [
     "servecore.requests",
     "servecore.streams",
     "servecore.engine",
+    "servecore.thread",
     "servecore.testing",
 ]
 NEEDS_MLX = {n for n in MLXCACHE_API if n not in ("mlxcache.radix", "mlxcache.testing")}

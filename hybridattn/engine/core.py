@@ -175,6 +175,23 @@ class Core:
             self.scheduler.reset_cache()
             self.runner.flush_ops(self.scheduler)
 
+    def close(self) -> None:
+        """Release the device buffers (``Engine.close``): the step in flight is waited for
+        and dropped, the pools' arrays (``runner.state``) are deleted and the engine's
+        parameters let go of (``runner.state`` and ``runner.params`` become None). The
+        scheduler is left as it was: no call follows (``Streams.close``). Idempotent."""
+        runner = self.runner
+        if runner.state is None:
+            return
+        with _deferred_interrupts():
+            inflight, runner.inflight = runner.inflight, None
+            if inflight is not None:
+                jax.block_until_ready(inflight.tokens)
+            state, runner.state, runner.params = runner.state, None, None
+            for leaf in jax.tree.leaves(state):
+                if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                    leaf.delete()
+
     def reset_stats(self) -> None:
         """Zero the throughput and cache counters and TTFTs; compilation counts and buckets
         stay."""

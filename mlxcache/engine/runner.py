@@ -141,6 +141,20 @@ class Runner:
         finally:
             self._emit = None
 
+    def close(self) -> None:
+        """Drop every request and the pools (``Engine.close``): ``store`` (the KV and state
+        pools, the tree) and ``path`` (the running batch's decode caches) become None, and
+        MLX's buffer cache is emptied, after the work already scheduled ends. Idempotent."""
+        if self.path is None:
+            return
+        mx.synchronize()
+        self.jobs.clear()
+        self.admission.waiting.clear()
+        self._pending.clear()
+        self.store = self.admission.store = None
+        self.path = None
+        mx.clear_cache()
+
     # ---------------------------------------------------------------- rounds ----
 
     def _round(self) -> bool:
