@@ -12,9 +12,11 @@ Examples:
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlxcache.engine.options import check_options
@@ -25,6 +27,7 @@ from servecore.engine import delegate
 from servecore.prompts import Prompt
 from servecore.requests import GenerationRequest, RequestBuilder
 from servecore.streams import Stream, Streams
+from servecore.thread import OwnerThread, ThreadedCore
 from servecore.validate import check_int, eos_token_ids
 
 __all__ = ["Engine"]
@@ -79,10 +82,24 @@ class Engine:
 
     One engine, many users: ``generate``, ``stream``, ``add_request`` / ``step`` / ``abort``
     keep the contract of ``servecore.streams`` (interleaved streams, threads serialized by one
-    lock, a round at a time, failures mid-round dropping only what the round served). MLX
-    (>= 0.31.2) ties an array that is not yet scheduled to the thread that built it, so every
-    round leaves all the device state it keeps scheduled (``mx.async_eval``, no wait) before
-    another thread comes in; tested with four threads.
+    lock, a round at a time, failures mid-round dropping only what the round served); tested
+    with four threads.
+
+    Threads: the engine does all its MLX work (the support probe, every round) on one thread
+    it owns (``servecore.thread.OwnerThread``), whichever thread calls it. MLX keeps
+    per-thread state (streams, ``mx.compile``'s trace cache, the random key) that a thread
+    must clear before it ends, or the process may abort at exit ("terminate called without
+    an active exception"); the engine's thread clears it when the engine is closed, and the
+    callers' threads never hold any. The model's parameters are evaluated in the
+    constructor's thread. Unseeded sampling (``seed=None``) draws from the engine thread's
+    MLX generator (``mx.random.seed`` in the caller's thread does not reach it).
+
+    ``close()`` (or leaving a ``with Engine(...) as engine:`` block) ends the engine from any
+    thread, at once after the call under way: every request is dropped, the pools and decode
+    caches are released, the engine's thread ends. A stream still unfinished yields the tokens
+    made before and then raises ``servecore.errors.EngineClosedError``; so does every later
+    call, naming the engine. An engine never closed is closed when it is garbage-collected
+    or at interpreter exit, so a process exits cleanly either way.
 
     Examples:
         >>> from mlxcache.zoo import make_model     # a tiny random llama, or mlx_lm.load(path)
@@ -108,6 +125,17 @@ class Engine:
         >>> got_a += [t for _, t in a]
         >>> [got_a, got_b] == want, engine.tree.protected_size   # nothing left locked
         (True, 0)
+
+        A ``with`` block closes the engine; then calls fail, naming it:
+
+        >>> with Engine(make_model(), num_slots=32) as engine:
+        ...     out = engine.generate([[1, 2]], max_tokens=2)
+        >>> engine.closed, engine.num_slots
+        (True, 0)
+        >>> engine.generate([[1, 2]], max_tokens=2)
+        Traceback (most recent call last):
+        ...
+        servecore.errors.EngineClosedError: mlxcache.Engine at 0x... is closed: build a new engine
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, num_slots: int | None = None,
@@ -130,12 +158,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.vocab_size = _vocab_size(model)
         self.stats = EngineStats()
-        self.support = Support.probe(model, self.options.prefix_cache)
+        mx.eval(model.parameters())  # here: evaluated arrays any thread may read
+        owner = OwnerThread("mlxcache.Engine", on_exit=mx.clear_streams)
+        try:  # the probe runs the model: on the engine's thread, as every round
+            self.support = owner.call(Support.probe, model, self.options.prefix_cache)
+            self.core = owner.call(Runner, model, self.support, self.options, self.stats)
+        except BaseException:
+            owner.close()
+            raise
         for note in self.support.notes:
             warnings.warn(f"mlxcache: {note}", ReuseDisabledWarning, stacklevel=2)
-        self.core = Runner(model, self.support, self.options, self.stats)
-        self.streams = Streams(self.core, RequestBuilder(
-            vocab_size=self.vocab_size, tokenizer=tokenizer, eos_ids=eos, check=self._fits))
+        self.streams = Streams(
+            ThreadedCore(self.core, owner),
+            RequestBuilder(vocab_size=self.vocab_size, tokenizer=tokenizer, eos_ids=eos,
+                           check=self._fits),
+            name=f"mlxcache.Engine at {id(self):#x}")
+        # dropped without close(): end the thread (the pools go with the engine)
+        weakref.finalize(self, owner.close)
 
     def _fits(self, name: str, request: GenerationRequest) -> None:
         """A prompt must fit the KV pool (with reuse): it is inserted whole."""
@@ -220,7 +259,42 @@ class Engine:
         """
         with self.streams.serialized():
             if self.core.store is not None:
-                self.core.store.reset()
+                self.streams.core.owner.call(self.core.store.reset)
+
+    # -------------------------------------------------------------------- closing ----
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self.streams.closed
+
+    def close(self) -> None:
+        """End the engine, from any thread (the class docstring): after the call under way,
+        drop every request, release the pools and the decode caches, end the engine's thread
+        (clearing its MLX state). Unfinished streams raise ``EngineClosedError`` once their
+        tokens are read; later calls raise it. Idempotent.
+
+        Examples:
+            >>> from mlxcache.zoo import make_model
+            >>> engine = Engine(make_model(), num_slots=32)
+            >>> events = engine.stream([[1, 2, 3]], max_tokens=8)
+            >>> next(events)[0]
+            0
+            >>> engine.close(); engine.close()
+            >>> engine.core.store is None, engine.streams.core.owner.closed
+            (True, True)
+            >>> next(events)
+            Traceback (most recent call last):
+            ...
+            servecore.errors.EngineClosedError: mlxcache.Engine at 0x... was closed before ...
+        """
+        self.streams.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------- API ----
 
