@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
@@ -168,6 +169,13 @@ class Core:
                 return self._round()
         finally:
             self._emit = _nowhere
+
+    def num_free_slots(self) -> int:
+        """Token slots neither held by a request nor by the prefix cache: the host's count on
+        one device (it owns the ids); under a mesh a device read, summed over data shards."""
+        if self.runner.sharded is None:
+            return len(self.runner.slots)
+        return int(np.sum(self.runner.state.token_allocator.num_free))
 
     def reset_cache(self) -> None:
         """Evict every cached prefix and snapshot no running request holds."""

@@ -55,6 +55,12 @@ class Engine:
     bookkeeping in agreement and drops no request (a ``KeyboardInterrupt`` that arrives
     mid-round is held until the round has committed, then raised).
 
+    ``close()`` (or leaving a ``with Engine(...) as engine:`` block) ends the engine from any
+    thread, after the call under way: every request is dropped and the pools' device buffers
+    are deleted (``Core.close``). A stream still unfinished yields the tokens made before and
+    then raises ``servecore.errors.EngineClosedError``; so does every later call, naming the
+    engine. Closing twice is a no-op.
+
     Args:
         config: the model's config (``hybridattn.models.kimi_linear.load`` or
             ``KimiLinearConfig``).
@@ -220,6 +226,18 @@ class Engine:
     >>> engine.generate([chat], 4, text=True)[0] == engine.tokenizer.decode(
     ...     engine.generate([[4, 7, 8, 5]], 4)[0])
     True
+
+    A ``with`` block closes the engine (``close``); then calls fail, naming it:
+
+    >>> with Engine(cfg, params, max_running_requests=2, max_context_len=16,
+    ...             num_token_slots=33) as engine:
+    ...     _ = engine.generate([[1, 2]], 2)
+    >>> engine.closed, engine.state is None
+    (True, True)
+    >>> engine.generate([[1, 2]], 2)
+    Traceback (most recent call last):
+    ...
+    servecore.errors.EngineClosedError: hybridattn.Engine at 0x... is closed: build a new engine
     """
 
     def __init__(
@@ -266,7 +284,8 @@ class Engine:
         self.core: Core = (core := build_core(config, params, opts))
         self.streams = Streams(core, RequestBuilder(vocab_size=config.vocab_size,
                                                     tokenizer=tokenizer, eos_ids=eos,
-                                                    check=core.check))
+                                                    check=core.check),
+                               name=f"hybridattn.Engine at {id(self):#x}")
         self.scheduler: Scheduler | ShardedScheduler = core.scheduler
         self.memory = core.memory
         self.mesh, self.num_data_shards = opts.mesh, opts.num_data_shards
@@ -298,12 +317,10 @@ class Engine:
 
     @property
     def num_free_slots(self) -> int:
-        """Token slots neither held by a request nor by the prefix cache (the engine's own
-        count on one device; under a mesh a device read, summed over data shards)."""
-        runner = self.core.runner
-        if runner.sharded is None:
-            return len(runner.slots)
-        return int(np.sum(self.state.token_allocator.num_free))
+        """Token slots neither held by a request nor by the prefix cache (``Core``'s count)."""
+        if self.streams.closed:
+            raise self.streams.closed_error()
+        return self.core.num_free_slots()
 
     # ---------------------------------------------------------------- the contract ----
 
@@ -384,6 +401,24 @@ class Engine:
         stay."""
         with self.streams.serialized():
             self.core.reset_stats()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self.streams.closed
+
+    def close(self) -> None:
+        """End the engine, from any thread (the class docstring): after the call under way,
+        drop every request and delete the pools' device buffers. Unfinished streams raise
+        ``EngineClosedError`` once their tokens are read; later calls raise it. Idempotent
+        (tests/hybridattn/test_engine_close.py)."""
+        self.streams.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def warmup(self, progress: bool = False) -> None:
         """Compile the smallest buckets (one prefill step, one decode step) by serving a
