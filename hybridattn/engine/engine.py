@@ -21,7 +21,6 @@ from typing import Any
 
 import jax  # noqa: F401 (the examples)
 import jax.numpy as jnp
-import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.core import Core, build_core
