@@ -90,7 +90,7 @@ class Engine:
         snapshot_buckets: shape buckets of the state snapshots an extend step takes (default:
             0, then powers of four from 4 up to what a step can take: one per grid interval
             of a prefill chunk and three per request); one bucket means one variant.
-        chunk_size: the KDA prefill chunk.
+        chunk_size: the KDA prefill chunk, a power of two.
         dtype: the pools' floating dtype (MLA latents and conv states; KDA states are float32).
         seed: the base sampling key (``ServingState.create``).
         prefix_cache: reuse cached prefixes (a radix tree over the token slots, with exact
@@ -123,7 +123,8 @@ class Engine:
             function per bucket, so a short-lived engine (or a test) pays a compile for it.
             Under a ``mesh`` the engine decodes one step per round (``ShardedStep`` wraps
             the single step only).
-        overlap: overlapped scheduling (default on; one device): a step stays on the
+        overlap: overlapped scheduling (default: on with one device, off under a ``mesh``,
+            where ``overlap=True`` is refused): a step stays on the
             device while its round ends, and the next round admits what fits, plans and
             dispatches the step that follows it before reading its tokens: that step takes
             each decoding request's last token from the device (one that sampled a stop
@@ -172,7 +173,10 @@ class Engine:
 
     Raises:
         ValueError: a size, fraction, dtype, bucket list or parameter tree that cannot work,
-            or a config value that is not implemented, naming it.
+            or a config value that is not implemented, naming it; an option given that
+            would do nothing in the mode chosen, naming both (``snapshot_interval``,
+            ``num_snapshot_slots`` or ``snapshot_buckets`` without a prefix cache,
+            ``overlap=True`` or ``decode_steps > 1`` under a ``mesh``).
 
     Two greedy prompts on a tiny random model; the engine compiles one EXTEND and one
     DECODE step here (one per shape bucket used):
@@ -261,7 +265,7 @@ class Engine:
         num_snapshot_slots: int | None = None,
         tokenizer: Any = None,
         decode_steps: int = 1,
-        overlap: bool = True,
+        overlap: bool | None = None,
         scan_layers: bool = True,
         mesh: Any = None,  # a jax.sharding.Mesh; checked by EngineOptions (ValueError)
     ):

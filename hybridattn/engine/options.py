@@ -91,7 +91,7 @@ class EngineOptions:
     snapshot_interval: int | None = None
     num_snapshot_slots: int | None = None
     decode_steps: int = 1
-    overlap: bool = True
+    overlap: bool | None = None  # None: on, but off under a mesh
     scan_layers: bool = True
     mesh: Any = None  # a jax.sharding.Mesh
 
@@ -120,6 +120,8 @@ class EngineOptions:
             chunked = default_chunked_prefill_size(L)
         check_int("chunked_prefill_size", chunked, 1)
         C = check_int("chunk_size", self.chunk_size, 1)
+        if C & (C - 1):
+            raise ValueError(f"chunk_size={C} must be a power of two (the KDA kernel's chunk)")
         check_int("seed", self.seed, 0)
         check_int("decode_steps", self.decode_steps, 1)
         interval = self.snapshot_interval
@@ -134,12 +136,33 @@ class EngineOptions:
             check_int("num_token_slots", self.num_token_slots, 2)
         self._check_memory()
         for name in ("overlap", "scan_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "overlap" and value is None):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        self._check_inert(prefix_cache)
         return dataclasses.replace(
             self, max_context_len=L, prefix_cache=prefix_cache, max_running_requests=R,
             chunked_prefill_size=chunked, snapshot_interval=interval,
-            overlap=self.overlap and self.mesh is None)
+            overlap=self.overlap is not False and self.mesh is None)
+
+    def _check_inert(self, prefix_cache: bool) -> None:
+        """``ValueError`` naming an option the caller gave that would do nothing in the mode
+        chosen (and the option that chose it): the prefix cache's options without a prefix
+        cache, ``overlap=True`` or several ``decode_steps`` under a mesh (it steps one at a
+        time, synchronously). Defaults never trip it: only values that were given."""
+        why = ("prefix_cache=False" if self.mesh is None or self.prefix_cache is False
+               else "a mesh (no prefix cache)")
+        for name in ("snapshot_interval", "num_snapshot_slots", "snapshot_buckets"):
+            if not prefix_cache and getattr(self, name) is not None:
+                raise ValueError(f"{name}={getattr(self, name)!r} does nothing with {why}: "
+                                 f"leave {name} unset, or turn the prefix cache on")
+        if self.mesh is not None and self.overlap is True:
+            raise ValueError("overlap=True does nothing with a mesh (a sharded engine steps "
+                             "synchronously): leave overlap unset, or pass mesh=None")
+        if self.mesh is not None and self.decode_steps != 1:
+            raise ValueError(f"decode_steps={self.decode_steps} does nothing with a mesh (a "
+                             "sharded engine decodes one step per round): leave decode_steps "
+                             "unset, or pass mesh=None")
 
     def _check_memory(self) -> None:
         """``mem_fraction`` in (0, 1] and a floating ``dtype``."""
