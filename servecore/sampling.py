@@ -26,11 +26,12 @@ ValueError: top_k=2147483648 must be an int in [0, 2147483647] (0 = off)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from servecore.validate import INT32_MAX, check_int, check_real, is_int
 
-__all__ = ["MIN_TEMPERATURE", "MIN_TOP_P", "SamplingParams"]
+__all__ = ["MIN_TEMPERATURE", "MIN_TOP_P", "SamplingParams", "default_seeds"]
 
 MIN_TEMPERATURE = 1e-6
 """Temperatures below this sample as greedy."""
@@ -93,3 +94,20 @@ def _real(name: str, value: Any) -> float:
     if value is None:
         raise ValueError(f"{name}=None must be a number")
     return check_real(name, value)
+
+
+def default_seeds(start: int = 0) -> Iterator[int]:
+    """The seeds an engine gives requests that came without one: ``start``, ``start + 1``,
+    ... wrapping from ``INT32_MAX`` to 0, so a derived seed is always one the device holds
+    (a seed the engine makes up must never be refused as if the caller had passed it).
+
+    >>> import itertools
+    >>> list(itertools.islice(default_seeds(), 3))
+    [0, 1, 2]
+    >>> list(itertools.islice(default_seeds(INT32_MAX), 2))
+    [2147483647, 0]
+    """
+    seed = check_int("start", start, 0, INT32_MAX)
+    while True:
+        yield seed
+        seed = 0 if seed == INT32_MAX else seed + 1

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import signal
 import threading
@@ -63,6 +62,7 @@ from hybridattn.models import kimi_linear
 from hybridattn.serving import ServingState
 from servecore.engine import Event
 from servecore.requests import GenerationRequest
+from servecore.sampling import default_seeds
 
 __all__ = ["Core", "build_core"]
 
@@ -116,8 +116,9 @@ class Core:
         self.stats = runner.stats
         self.clock = StatsClock(self.stats)
         # seed=None: each request its own seed, in the order requests arrive (the first
-        # call's prompt i gets seed i, as the engine's default seed=0 + i did)
-        self._default_seeds = itertools.count()
+        # call's prompt i gets seed i, as the engine's default seed=0 + i did), wrapping
+        # within the int32 seeds the device holds
+        self._default_seeds = default_seeds()
         self._emit: Callable[[Event], None] = _nowhere
 
     # ---------------------------------------------------------------- EngineCore ----

@@ -29,7 +29,11 @@ from hybridattn import testing
 from hybridattn.backends import ForwardMode
 from hybridattn.engine import Engine
 from hybridattn.engine import runner as E
+from hybridattn.engine.options import EngineOptions
+from hybridattn.mesh import make_mesh
 from hybridattn.models import kimi_linear as M
+from servecore.sampling import default_seeds
+from servecore.validate import INT32_MAX
 
 # A fixed pool of requests the programs draw from: (prompt, max_tokens, sampling).
 SPECS = [
@@ -528,3 +532,50 @@ def test_params_of_a_smaller_model_are_named():
                                 full_attention_layer_ids=(1,))
     with pytest.raises(ValueError, match="params do not match the config"):
         M.check_params(PARAMS, small)
+
+
+@pytest.mark.parametrize("bad", [48, 3, 96])
+def test_a_chunk_size_that_is_not_a_power_of_two_is_refused_at_construction(bad):
+    """The KDA kernel needs a power-of-two chunk: the engine says so when it is built, not in
+    every step that follows."""
+    with pytest.raises(ValueError, match=f"chunk_size={bad} must be a power of two"):
+        engine(chunk_size=bad)
+
+
+def _mesh():
+    return make_mesh(2, 1)
+
+
+@pytest.mark.parametrize("given, mode, named", [
+    (dict(snapshot_interval=64), dict(prefix_cache=False), "snapshot_interval=64"),
+    (dict(num_snapshot_slots=9), dict(prefix_cache=False), "num_snapshot_slots=9"),
+    (dict(snapshot_buckets=(0, 64)), dict(prefix_cache=False), "snapshot_buckets=\\(0, 64\\)"),
+    (dict(snapshot_interval=64), dict(mesh=_mesh), "snapshot_interval=64"),
+    (dict(overlap=True), dict(mesh=_mesh), "overlap=True"),
+    (dict(decode_steps=4), dict(mesh=_mesh), "decode_steps=4"),
+])
+def test_an_option_that_would_do_nothing_in_the_mode_chosen_is_refused(given, mode, named):
+    """An option the caller gave that the mode chosen ignores is a ``ValueError`` naming it
+    and what chose the mode; the defaults alone never are."""
+    mode = {k: v() if callable(v) else v for k, v in mode.items()}
+    why = "prefix_cache=False" if "prefix_cache" in mode else "mesh"
+    with pytest.raises(ValueError, match=f"{named} does nothing with .*{why}"):
+        EngineOptions(**given, **mode).resolved(CFG)
+    EngineOptions(**mode).resolved(CFG)  # the defaults are fine in either mode
+    EngineOptions(**given).resolved(CFG)  # and so is the option in the default mode
+    if "overlap" in given:  # what a mesh turns off by default is off, and the engine says so
+        assert not EngineOptions(**mode).resolved(CFG).overlap
+
+
+def test_unseeded_requests_past_the_last_int32_seed_wrap_and_any_seed_serves_two_prompts():
+    """Seeds the engine derives (``seed=None``: the next of its own) stay int32 seeds: the one
+    after ``INT32_MAX`` is 0, never a seed the caller did not pass, refused. The largest seed a
+    caller may pass serves several prompts, greedy or sampled."""
+    eng = engine()
+    prompts = [[1, 2], [3, 4]]
+    assert eng.generate(prompts, 2, seed=INT32_MAX) == eng.generate(prompts, 2)
+    sampled = eng.generate(prompts, 2, temperature=1.0, seed=INT32_MAX)
+    assert sampled == eng.generate(prompts, 2, temperature=1.0, seed=[INT32_MAX] * 2)
+    eng.core._default_seeds = default_seeds(INT32_MAX)  # as after 2**31 unseeded requests
+    wrapped = eng.generate(prompts, 2, temperature=1.0)
+    assert wrapped == eng.generate(prompts, 2, temperature=1.0, seed=[INT32_MAX, 0])
