@@ -38,7 +38,7 @@ from typing import Any
 
 from servecore.validate import _short, plain_ints, prompt_list, token_ids
 
-__all__ = ["Prompt", "check_text", "decode", "encode_prompt", "encode_prompts",
+__all__ = ["Prompt", "check_text", "check_tokenizer", "decode", "encode_prompt", "encode_prompts",
            "has_chat_template", "is_chat", "load_tokenizer"]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -146,6 +146,35 @@ def encode_prompts(prompts: Iterable[Any], tokenizer: Any, vocab_size: int) -> l
     """
     return [encode_prompt(f"prompt {i}", p, tokenizer, vocab_size)
             for i, p in enumerate(prompt_list(prompts))]
+
+
+def check_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` as an engine is given it, checked before it is kept: ``None`` (ids only)
+    or an object with the ``encode`` and ``decode`` methods this module calls (a Hugging Face
+    tokenizer, mlx-lm's ``TokenizerWrapper``). Anything else, a path say, is a ``TypeError``
+    naming it, rather than an error deep inside the first text prompt.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> tok = word_tokenizer(16)
+    >>> check_tokenizer(None), check_tokenizer(tok) is tok
+    (None, True)
+    >>> check_tokenizer("path/to/tokenizer")
+    Traceback (most recent call last):
+    ...
+    TypeError: tokenizer='path/to/tokenizer' (str) is not a tokenizer: give one with encode \
+and decode methods (a Hugging Face tokenizer, or mlx-lm's TokenizerWrapper), e.g. \
+servecore.prompts.load_tokenizer(path) for a checkpoint directory's, or None for token ids only
+    """
+    if tokenizer is None:
+        return None
+    missing = [m for m in ("encode", "decode") if not callable(getattr(tokenizer, m, None))]
+    if missing:
+        raise TypeError(f"tokenizer={_short(tokenizer)} ({type(tokenizer).__name__}) is not a "
+                        "tokenizer: give one with encode and decode methods (a Hugging Face "
+                        "tokenizer, or mlx-lm's TokenizerWrapper), e.g. "
+                        "servecore.prompts.load_tokenizer(path) for a checkpoint directory's, "
+                        "or None for token ids only")
+    return tokenizer
 
 
 def check_text(text: Any, tokenizer: Any) -> bool:

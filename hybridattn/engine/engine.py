@@ -29,7 +29,7 @@ from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
 from hybridattn.models import kimi_linear
 from hybridattn.models.kimi_linear.params import _check_supported
 from servecore.engine import delegate
-from servecore.prompts import Prompt
+from servecore.prompts import Prompt, check_tokenizer
 from servecore.requests import RequestBuilder
 from servecore.streams import Stream, Streams, _max_tokens
 from servecore.validate import eos_token_ids
@@ -107,7 +107,8 @@ class Engine:
             any Hugging Face tokenizer): prompts may then be text or chats (rendered by its
             chat template), ``generate(..., text=True)`` returns text, and its EOS ids with
             ``config.eos_token_id`` (an int or a list) end requests unless
-            ``stop_token_ids`` is given.
+            ``stop_token_ids`` is given. Anything without ``encode`` and ``decode`` (a path,
+            say) is a ``TypeError`` (``servecore.prompts.check_tokenizer``).
         decode_steps: decode steps per dispatch when a round would be a pure ``DECODE``
             step that nothing can join before it ends: no request waits, or none running can
             reach its ``max_tokens`` inside the run (so only a stop token could free a
@@ -282,7 +283,7 @@ class Engine:
             prefix_cache=prefix_cache, snapshot_interval=snapshot_interval,
             num_snapshot_slots=num_snapshot_slots, decode_steps=decode_steps, overlap=overlap,
             scan_layers=scan_layers, mesh=mesh).resolved(config)
-        eos = _default_stop_ids(config, tokenizer)
+        eos = _default_stop_ids(config, check_tokenizer(tokenizer))
         self.config, self.tokenizer = config, tokenizer
         self.core: Core = (core := build_core(config, params, opts))
         self.streams = Streams(core, RequestBuilder(vocab_size=config.vocab_size,

@@ -24,7 +24,7 @@ from mlxcache.engine.runner import Runner
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import ReuseDisabledWarning, Support
 from servecore.engine import delegate
-from servecore.prompts import Prompt
+from servecore.prompts import Prompt, check_tokenizer
 from servecore.requests import GenerationRequest, RequestBuilder
 from servecore.streams import Stream, Streams
 from servecore.thread import OwnerThread, ThreadedCore
@@ -153,7 +153,7 @@ class Engine:
             snapshot_interval=snapshot_interval, prefill_batch_tokens=prefill_batch_tokens)
         # The tokenizer's EOS ids, whichever form it keeps them in (mlx-lm: a set; Hugging
         # Face: an int, a list or None; transformers 5 may give eos_token_ids as an int).
-        eos = eos_token_ids(tokenizer)
+        eos = eos_token_ids(check_tokenizer(tokenizer))
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = _vocab_size(model)

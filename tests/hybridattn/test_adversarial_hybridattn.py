@@ -521,6 +521,10 @@ def test_tiny_temperatures_and_top_p_are_greedy_not_token_zero():
     (lambda: Engine(CFG, PARAMS, **ENGINE | dict(mem_fraction="0.5")), "mem_fraction"),
     (lambda: Engine(CFG, PARAMS, **ENGINE | dict(num_token_slots=2.5)), "num_token_slots"),
     (lambda: Engine(CFG, PARAMS, **ENGINE | dict(chunk_size=0)), "chunk_size=0"),
+    (lambda: Engine(CFG, PARAMS, **ENGINE | dict(tokenizer="path/to/tokenizer")),
+     r"tokenizer='path/to/tokenizer' \(str\) is not a tokenizer"),
+    (lambda: Engine(CFG, PARAMS, **ENGINE | dict(tokenizer=object())),
+     r"tokenizer=<object object at .*> \(object\) is not a tokenizer"),
 ])
 def test_engine_refuses_configs_params_and_sizes_it_cannot_serve(make, match):
     with pytest.raises((ValueError, TypeError), match=match):

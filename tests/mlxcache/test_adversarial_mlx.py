@@ -152,8 +152,17 @@ def tokens_of(events, index: int = 0) -> list[int]:
 
 
 class _Tokenizer:
+    """EOS ids in one of their forms, and the encode / decode every tokenizer has (the
+    engine refuses one without them), unused: the prompts here are ids."""
+
     def __init__(self, **attrs):
         self.__dict__.update(attrs)
+
+    def encode(self, text, add_special_tokens=True):
+        raise AssertionError("not called: ids only")
+
+    def decode(self, ids):
+        raise AssertionError("not called: ids only")
 
 
 @pytest.mark.parametrize("form", ["hf_int", "hf_list", "tf5_int", "mlx_set"])
