@@ -51,15 +51,23 @@ class Engine:
         model: an mlx-lm model (``model(inputs, cache=...)`` -> logits).
         tokenizer: optional (mlx-lm ``TokenizerWrapper`` or HF tokenizer); needed for text
             and chat prompts and for ``generate(..., text=True)``; its EOS ids are the
-            default stop tokens.
+            default stop tokens. Anything without ``encode`` and ``decode`` (a path, say) is
+            a ``TypeError`` (``servecore.prompts.check_tokenizer``).
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
             ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
             capped at ``MAX_AUTO_SLOTS`` (``mlxcache.engine.sizing``).
-        page_size: radix tree granularity in tokens.
+        page_size: radix tree granularity in tokens: the tree caches whole pages, so at most
+            ``num_slots - 1`` (the longest prompt the pool takes; a larger page is a
+            ``ValueError``). A hybrid model's snapshots sit on page boundaries (a planned
+            point moves down to the boundary at or below it; a running answer keeps its
+            state at its latest boundary), so the next turn of a chat resumes from the last
+            whole page of prompt + answer, as an attention-only model does.
         mem_fraction: share of free memory the automatic pool may take.
         max_batch_size: most requests decoded at once.
-        prefix_cache: False serves the same way without a pool or tree (no reuse).
+        prefix_cache: False serves the same way without a pool or tree (no reuse); then the
+            pools' options (``num_slots``, ``page_size``, ``num_snapshots``,
+            ``snapshot_interval``) would do nothing, and one given is a ``ValueError``.
         prefill_step_size: most tokens (padding included) in one prefill forward; a longer
             prompt runs alone, in chunks of this many tokens.
         num_snapshots: hybrid models: the state pool's size in snapshots (None: a quarter of

@@ -21,7 +21,7 @@ import numpy as np
 
 from servecore.validate import check_int, check_real
 
-__all__ = ["Options", "check_options"]
+__all__ = ["Options", "check_options", "check_page_size"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ def check_options(*, num_slots: Any = None, page_size: Any = 1, mem_fraction: An
                   prefill_step_size: Any = 2048, num_snapshots: Any = None,
                   snapshot_interval: Any = 256, prefill_batch_tokens: Any = None) -> Options:
     """``Options`` from the engine's arguments, each checked: ints in range (never a float or
-    a bool), ``mem_fraction`` in (0, 1], ``prefix_cache`` a bool.
+    a bool), ``mem_fraction`` in (0, 1], ``prefix_cache`` a bool, a ``page_size`` that fits
+    ``num_slots`` (``check_page_size``); and with ``prefix_cache=False``, none of the pools'
+    options (``num_slots``, ``page_size``, ``num_snapshots``, ``snapshot_interval``) given
+    other than its default, as it would do nothing.
 
     >>> check_options(prefix_cache="no")
     Traceback (most recent call last):
@@ -72,4 +75,34 @@ def check_options(*, num_slots: Any = None, page_size: Any = 1, mem_fraction: An
         raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
     if not isinstance(prefix_cache, bool | np.bool_):
         raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
+    if not opts.prefix_cache:  # the pools' options do nothing without them
+        defaults = Options()
+        for name in ("num_slots", "page_size", "num_snapshots", "snapshot_interval"):
+            if getattr(opts, name) != getattr(defaults, name):
+                raise ValueError(f"{name}={getattr(opts, name)!r} does nothing with "
+                                 f"prefix_cache=False (no pool, no tree): leave {name} unset, "
+                                 "or turn the prefix cache on")
+    if opts.num_slots is not None:
+        check_page_size(opts.page_size, opts.num_slots)
     return opts
+
+
+def check_page_size(page_size: int, num_slots: int) -> None:
+    """A page must fit the longest prompt the KV pool takes (``num_slots - 1`` tokens, slot 0
+    being the sink): the tree caches whole pages only, so a larger page would cache nothing.
+    ``ValueError`` naming both otherwise (checked when ``num_slots`` is known: given, or
+    sized from memory).
+
+    >>> check_page_size(16, num_slots=17)
+    >>> check_page_size(16, num_slots=16)
+    Traceback (most recent call last):
+    ...
+    ValueError: page_size=16 is larger than the longest prompt the KV pool takes (15 tokens: \
+num_slots=16 less the sink), so nothing would ever be cached: give a smaller page_size or \
+more num_slots
+    """
+    if page_size > num_slots - 1:
+        raise ValueError(f"page_size={page_size} is larger than the longest prompt the KV pool "
+                         f"takes ({num_slots - 1} tokens: num_slots={num_slots} less the sink), "
+                         "so nothing would ever be cached: give a smaller page_size or more "
+                         "num_slots")

@@ -78,7 +78,7 @@ class Runner:
 
     >>> from mlxcache.engine import Engine
     >>> from mlxcache.zoo import make_model
-    >>> core = Engine(make_model(), num_slots=32, prefix_cache=False).core
+    >>> core = Engine(make_model(), prefix_cache=False).core
     >>> core.store is None, type(core.path).__name__, core.has_work()
     (True, 'PooledPath', False)
     """

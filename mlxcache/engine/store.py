@@ -34,7 +34,7 @@ import numpy as np
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Job
-from mlxcache.engine.options import Options
+from mlxcache.engine.options import Options, check_page_size
 from mlxcache.engine.sizing import pool_sizes
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Support
@@ -151,6 +151,7 @@ class PrefixStore:
         sizes = pool_sizes(per_slot=per_slot, per_snapshot=per_snapshot,
                            num_slots=opts.num_slots, num_snapshots=opts.num_snapshots,
                            mem_fraction=opts.mem_fraction, has_states=support.has_states)
+        check_page_size(opts.page_size, sizes.num_slots)  # an automatic pool is known here
         store = cls(support, opts, stats, sizes.num_slots, sizes.num_snapshots)
         log.info(
             "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d attention layers, %d kv "

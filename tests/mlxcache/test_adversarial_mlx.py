@@ -398,11 +398,39 @@ def test_a_generator_of_prompts_is_read_once(model):
         ({"mem_fraction": 0}, r"mem_fraction=0 must be in \(0, 1\]"),
         ({"mem_fraction": "0.5"}, "mem_fraction='0.5'"),
         ({"prefix_cache": 1}, "prefix_cache=1 must be True or False"),
+        ({"page_size": 16, "num_slots": 16}, r"page_size=16 is larger than the longest prompt "
+                                             r"the KV pool takes \(15 tokens: num_slots=16"),
+        ({"page_size": 2**20}, r"page_size=1048576 is larger than the longest prompt"),
+        # options of the pools, which prefix_cache=False has not
+        ({"prefix_cache": False, "num_slots": 64}, "num_slots=64 does nothing with "
+                                                   "prefix_cache=False"),
+        ({"prefix_cache": False, "page_size": 4}, "page_size=4 does nothing with prefix_cache"),
+        ({"prefix_cache": False, "num_snapshots": 8}, "num_snapshots=8 does nothing with"),
+        ({"prefix_cache": False, "snapshot_interval": 8}, "snapshot_interval=8 does nothing"),
     ],
 )
 def test_bad_engine_options_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Engine(model, **kwargs)
+
+
+def test_the_defaults_build_with_the_prefix_cache_off_and_pages_that_fit(model):
+    """Only options given are refused as inert: the defaults build in either mode, and a
+    page as long as the longest prompt the pool takes is served, and cached."""
+    assert Engine(model, prefix_cache=False).tree is None
+    engine = Engine(model, num_slots=17, page_size=16)
+    prompt = list(range(1, 17))
+    assert engine.generate([prompt], max_tokens=1) == [mlx_greedy(model, prompt, 1)]
+    assert engine.tree.total_size == 16
+
+
+@pytest.mark.parametrize("tokenizer", ["path/to/tokenizer", object(), 3, {"encode": 1}])
+def test_a_tokenizer_that_is_not_one_is_named_when_the_engine_is_built(model, tokenizer):
+    """A path (or anything without encode and decode) was kept as the tokenizer, and the
+    first text prompt failed deep inside; now the engine refuses it, naming it."""
+    with pytest.raises(TypeError, match=r"tokenizer=.* is not a tokenizer: give one with "
+                                        r"encode and decode"):
+        Engine(model, tokenizer, num_slots=32)
 
 
 def test_a_model_that_is_not_a_model_is_named(model):

@@ -39,6 +39,8 @@ def model_of(family: str):
 
 def engine(family: str, **kw) -> Engine:
     opts = dict(num_slots=512, num_snapshots=48, snapshot_interval=GRID, max_batch_size=8)
+    if kw.get("prefix_cache") is False:  # the pools' options would do nothing (refused)
+        opts = dict(max_batch_size=8)
     opts.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReuseDisabledWarning)  # none for these families
