@@ -59,6 +59,9 @@ class Job:
     pending: list[int] = field(default_factory=list)
     restore: int | None = None  # hybrid models: the snapshot slot of the state at `cached`
     points: list[int] = field(default_factory=list)  # depths to snapshot during prefill
+    # hybrid models, pages of several tokens: (depth, snapshot slot) of the state at the
+    # answer's latest page boundary, held by the job until publish_answer hangs it on the tree
+    page_state: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -201,6 +201,7 @@ class Runner:
                     self._finish(job, None)
                 else:
                     job.group, job.state = self.path.join(job, caches, row), "running"
+                    self._page_states(job.group, [job.group.jobs.index(job)])
         except BaseException as e:  # a half-joined row: the running batch's caches are suspect
             self._abort(e, batch, groups=True)
             raise
@@ -269,6 +270,7 @@ class Runner:
         tic = time.perf_counter()
         feed, unread = group.feed, group.unread
         logits = self.model(feed[:, None], cache=group.caches)[:, -1, :]
+        self._page_states(group, range(len(group.jobs)))
         group.feed = self._sample(group.jobs, logits)
         group.unread = [True] * len(group.jobs)
         mx.async_eval(group.feed)
@@ -285,6 +287,14 @@ class Runner:
         # Last rows first: a finished row at the end leaves without moving another row.
         for job in sorted(finished, key=group.jobs.index, reverse=True):
             self._finish(job, group)
+
+    def _page_states(self, group: Group, rows: Iterable[int]) -> None:
+        """Hybrid models with pages of several tokens: each of ``rows`` that ends on a page
+        boundary keeps its state there (``PrefixStore.page_state``), for its answer."""
+        store = self.store
+        if store is not None and store.has_states and store.page_size > 1:
+            for row in rows:
+                store.page_state(group.jobs[row], group.caches, row)
 
     def _sample(self, jobs: list[Job], logits: mx.array) -> mx.array:
         keys = []
@@ -306,6 +316,7 @@ class Runner:
                 self.store.publish_answer(job, group.caches, row)
             self.path.leave(group, row)
         if self.store is not None:
+            self.store.drop_page_state(job)  # kept for an answer not published
             self.store.unlock(job.node)
         job.node, job.state, job.group = None, state, None
         self.jobs.pop(job.rid, None)

@@ -224,10 +224,47 @@ class PrefixStore:
         job.node, job.tree_slots, job.cached, job.pending = m.node, m.slots, m.cached, new
         job.restore = m.restore
         if self.has_states:
-            job.points = [d for d in snapshot_points(len(job.tokens), len(m.slots), m.cached,
-                                                     self.snapshot_interval)
-                          if d % self.page_size == 0]
+            job.points = self.page_points(
+                snapshot_points(len(job.tokens), len(m.slots), m.cached, self.snapshot_interval),
+                m.cached)
         return True
+
+    def page_points(self, points: list[int], cached: int) -> list[int]:
+        """Snapshot ``points`` moved down each to the page boundary at or below it (the tree
+        holds whole pages, so a match, page-granular, finds a state only there), those past
+        ``cached`` (the state restored), each once.
+
+        >>> from mlxcache.engine.options import check_options
+        >>> from mlxcache.engine.stats import EngineStats
+        >>> from mlxcache.zoo import make
+        >>> model = make("qwen3_next")
+        >>> store = PrefixStore.build(Support.probe(model), check_options(num_slots=64,
+        ...                           page_size=16), EngineStats())
+        >>> store.page_points([8, 16, 21, 99], cached=0), store.page_points([21, 40], 16)
+        ([16, 96], [32])
+        """
+        page = self.page_size
+        return sorted({d - d % page for d in points if d - d % page > cached})
+
+    def page_state(self, job: Job, caches: list[Any], row: int) -> None:
+        """Hybrid models with pages of several tokens, in a decode step: when row ``row`` of
+        ``caches`` (``job``'s) ends on a page boundary, keep its state there (the job holds
+        one such snapshot, the latest): the answer is cached up to its last whole page, and
+        ``publish_answer`` hangs this state at that depth, for the next turn to resume from.
+        (With one-token pages the state where the request ends is that depth.)"""
+        depth = leaves(caches)[self.layout.kv_leaves[0]].end(row)
+        if depth % self.page_size:
+            return
+        self.drop_page_state(job)
+        for _, _, slot in self.snapshot(caches, [row], [depth]):
+            job.page_state = (depth, slot)
+            mx.async_eval(arrays_in([self.states.arrays]))  # scheduled: any thread may go on
+
+    def drop_page_state(self, job: Job) -> None:
+        """Give back the snapshot ``page_state`` kept for ``job``, if any."""
+        if job.page_state is not None:
+            self.state_slots.give([job.page_state[1]])
+            job.page_state = None
 
     # ------------------------------------------------------------- the caches ----
 
@@ -315,25 +352,30 @@ class PrefixStore:
         seq = (job.tokens + job.output)[:ran]
         total = len(seq) - len(seq) % self.page_size
         start = len(job.tree_slots)
-        if total <= start:
-            return
-        new = self.take_slots(total - start)
-        if new is None:  # the pool is full of locked prefixes: skip caching this answer
-            return
-        rows = [c.row(row, start) for c in kv]
-        self.pool = set_kv_all_layers(
-            self.pool,
-            mx.array(new, dtype=mx.int32),
-            [k[:, :, : total - start] for k, _ in rows],
-            [v[:, :, : total - start] for _, v in rows],
-        )
-        mx.eval(self.pool)
-        self.insert(seq[:total], job.tree_slots + new, start)
-        if self.has_states and total == ran:
-            taken = self.snapshot(caches, [row], [ran])
+        kept, job.page_state = job.page_state, None  # (depth, slot): see page_state
+        if kept is not None and kept[0] != total:  # not the last whole page (none past it)
+            self.state_slots.give([kept[1]])
+            kept = None
+        if total > start:
+            new = self.take_slots(total - start)
+            if new is None:  # the pool is full of locked prefixes: skip caching this answer
+                if kept is not None:
+                    self.state_slots.give([kept[1]])
+                return
+            rows = [c.row(row, start) for c in kv]
+            self.pool = set_kv_all_layers(
+                self.pool,
+                mx.array(new, dtype=mx.int32),
+                [k[:, :, : total - start] for k, _ in rows],
+                [v[:, :, : total - start] for _, v in rows],
+            )
+            mx.eval(self.pool)
+            self.insert(seq[:total], job.tree_slots + new, start)
+            if self.has_states and kept is None and total == ran:
+                kept = next(((d, s) for _, d, s in self.snapshot(caches, [row], [ran])), None)
+        if kept is not None:  # the state where the cached answer ends (or its prompt)
             mx.eval(self.states)
-            for _, depth, slot in taken:
-                self.add_state(seq[:depth], slot)
+            self.add_state(seq[: kept[0]], kept[1])
 
     def add_state(self, tokens: list[int], slot: int) -> None:
         """Hang snapshot ``slot`` on the tree at ``tokens``' end; give it back if the tree
@@ -369,7 +411,8 @@ class PrefixStore:
             ok = False
         self.slots.rebuild(self.tree.all_slots())
         if self.has_states:
-            self.state_slots.rebuild([h for _, h in self.tree.all_states()])
+            self.state_slots.rebuild([h for _, h in self.tree.all_states()]
+                                     + [j.page_state[1] for j in running if j.page_state])
         return ok
 
     def unlock(self, node: TreeNode | None) -> None:

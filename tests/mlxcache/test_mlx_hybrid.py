@@ -105,6 +105,27 @@ def test_three_turns_of_a_conversation(family):
         turn = turn + out + tokens(10 + k, 7)
 
 
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_second_chat_turn_reuses_whole_pages_of_a_hybrid_model(family, page_size):
+    """Pages of several tokens: the snapshots a hybrid model takes (the prompt's last token
+    but one, the grid, the end of the answer) sit on the page boundary at or below where
+    they were planned, so the next turn, matched page by page, resumes from the last whole
+    page of prompt + answer, as an attention-only model does (it used to drop every point
+    off a page boundary and reuse nothing). The tokens are mlx-lm's, served without reuse."""
+    e = engine(family, page_size=page_size, snapshot_interval=256)  # no grid point in play
+    turn, ran = tokens(40, 37), 0  # 36, the last token but one, is off the 16-token page
+    for k in range(3):
+        before = e.stats.cached_tokens
+        (out,) = e.generate([turn], max_tokens=MAX + k)
+        assert out == ref(family, turn, MAX + k), k
+        if k:  # prompt + answer that ran, down to its last whole page
+            assert e.stats.cached_tokens - before == ran - ran % page_size > 0, k
+        ran = len(turn) + len(out) - 1  # the last token is sampled, never fed
+        turn = turn + out + tokens(50 + k, 6)
+    assert e.num_free_snapshots + e.tree.num_states == e.num_snapshots - 1  # none leaked
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_concurrent_requests_sharing_a_prefix(family):
     e = engine(family)
