@@ -11,7 +11,7 @@ widths (where a step's cost grows with its width). Plain Python, no JAX.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["STOP_BUCKETS", "StepBuckets", "bucket", "check_buckets", "kv_ladder", "ladder"]
 
@@ -77,7 +77,7 @@ def check_buckets(name: str, given: Sequence[int] | None,
     """
     if given is None:
         return default
-    bk = tuple(given)
+    bk = tuple(given) if isinstance(given, Iterable) else ()  # an int alone is no ladder
     if not bk or not all(isinstance(b, int) and not isinstance(b, bool) for b in bk) or (
             list(bk) != sorted(set(bk)) or bk[0] < 1):
         raise ValueError(f"{name}={given!r} must be increasing positive ints")
@@ -116,7 +116,8 @@ class StepBuckets:
         # more per request (a chunk rarely starts on the grid), a branch point and the
         # last-but-one prompt token per request
         most = chunked_prefill_size // snapshot_interval + 3 * R
-        sb = tuple((0, *ladder(4, max(4, most))) if snapshot is None else snapshot)
+        sb = ((0, *ladder(4, max(4, most))) if snapshot is None
+              else tuple(snapshot) if isinstance(snapshot, Iterable) else ())
         if (not sb or not all(isinstance(b, int) and not isinstance(b, bool) for b in sb)
                 or list(sb) != sorted(set(sb)) or sb[0] < 0 or sb[-1] < most):
             raise ValueError(f"snapshot_buckets={snapshot!r} must be increasing ints >= 0 "

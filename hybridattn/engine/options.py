@@ -169,8 +169,9 @@ class EngineOptions:
         f = self.mem_fraction
         if check_real("mem_fraction", f) <= 0 or f > 1:
             raise ValueError(f"mem_fraction={f!r} must be in (0, 1]")
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+        try:  # (None is no dtype here, though NumPy reads it as float64)
+            floating = self.dtype is not None and jnp.issubdtype(jnp.dtype(self.dtype),
+                                                                 jnp.floating)
         except TypeError:
             floating = False
         if not floating:

@@ -5,6 +5,7 @@ loaded tree (:func:`check_params`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -120,6 +121,10 @@ def check_params(params: Params, config: KimiLinearConfig) -> None:
     ValueError: params do not match the config: lm_head.weight has shape (64, 32), the config \
 needs (65, 32)
     """
+    if not isinstance(params, Mapping):  # a path, say: kimi_linear.load reads one
+        raise ValueError(f"params must be the nested dict of arrays of param_shapes(config) "
+                         f"(kimi_linear.load(path) or init_params), got "
+                         f"{type(params).__name__}: {params!r:.60}")
     want = dict(_flat(param_shapes(config)))
     try:
         got = dict(_flat(jax.eval_shape(checkpoint_layout, params)))
