@@ -8,7 +8,8 @@ The package, one concept a module, imports pointing down:
 
 * ``support``: ``Support``, what the engine can do with a model (a mode and a few facts),
   found once by probing it; ``ReuseDisabledWarning``.
-* ``options``: the constructor options, checked in one place; ``stats``: ``EngineStats``;
+* ``options``: the constructor options, checked in one place (``UnusedOptionWarning``: one a
+  model ignores); ``stats``: ``EngineStats``;
   ``sizing``: the pools' sizes from free memory.
 * ``forward``: ragged forwards over the engine's caches; ``job``: a request while it is served
   and a decode group.
@@ -44,11 +45,12 @@ Examples:
 
 from mlxcache.engine.admission import CPU_FORWARD_COST_TOKENS, CPU_PREFILL_BATCH_TOKENS
 from mlxcache.engine.engine import Engine
-from mlxcache.engine.options import Options, check_options
+from mlxcache.engine.options import Options, UnusedOptionWarning, check_options
 from mlxcache.engine.sizing import MAX_AUTO_SLOTS, auto_num_slots
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Mode, ReuseDisabledWarning, Support
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "MAX_AUTO_SLOTS", "Engine",
            "EngineStats", "Mode", "Options", "ReuseDisabledWarning", "Support",
+           "UnusedOptionWarning",
            "auto_num_slots", "check_options"]

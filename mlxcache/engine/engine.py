@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcache.engine.options import check_options
+from mlxcache.engine.options import UnusedOptionWarning, check_options, unused_options
 from mlxcache.engine.runner import Runner
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import ReuseDisabledWarning, Support
@@ -73,6 +73,9 @@ class Engine:
         num_snapshots: hybrid models: the state pool's size in snapshots (None: a quarter of
             the cache memory, ``mlxcache.engine.sizing``).
         snapshot_interval: hybrid models: the grid of snapshot depths, in tokens.
+            (``num_snapshots`` or ``snapshot_interval`` given for a model without recurrent
+            layers, or the pools' options for one served without reuse, do nothing: an
+            ``UnusedOptionWarning`` says so.)
         prefill_batch_tokens: most uncached tokens admitted into one prefill batch (a request
             alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, and
             there the batch is also sized for the mean TTFT (``CPU_FORWARD_COST_TOKENS``);
@@ -176,6 +179,9 @@ class Engine:
             raise
         for note in self.support.notes:
             warnings.warn(f"mlxcache: {note}", ReuseDisabledWarning, stacklevel=2)
+        for line in unused_options(self.options, reuse=self.support.reuse,
+                                   has_states=self.support.has_states):
+            warnings.warn(f"mlxcache: {line}", UnusedOptionWarning, stacklevel=2)
         self.streams = Streams(
             ThreadedCore(self.core, owner),
             RequestBuilder(vocab_size=self.vocab_size, tokenizer=tokenizer, eos_ids=eos,

@@ -21,7 +21,12 @@ import numpy as np
 
 from servecore.validate import check_int, check_real
 
-__all__ = ["Options", "check_options", "check_page_size"]
+__all__ = ["Options", "UnusedOptionWarning", "check_options", "check_page_size", "unused_options"]
+
+
+class UnusedOptionWarning(UserWarning):
+    """An option was given that does nothing for the model being served (``unused_options``):
+    a warning, not an error, since one set of options may serve many models."""
 
 
 @dataclass(frozen=True)
@@ -106,3 +111,31 @@ more num_slots
                          f"takes ({num_slots - 1} tokens: num_slots={num_slots} less the sink), "
                          "so nothing would ever be cached: give a smaller page_size or more "
                          "num_slots")
+
+
+def unused_options(opts: Options, *, reuse: bool, has_states: bool) -> list[str]:
+    """What ``opts`` gives (other than its default) that does nothing for a model that the
+    engine serves with or without prefix ``reuse`` and with or without recurrent layers
+    (``has_states``), one line each: the snapshot options without recurrent layers, and the
+    pools' options without reuse (a model served one request per forward with mlx-lm's own
+    caches). The engine warns of each (``UnusedOptionWarning``); with ``prefix_cache=False``
+    they are refused (``check_options``), as the caller chose that mode.
+
+    >>> opts = check_options(num_slots=64, snapshot_interval=8)
+    >>> unused_options(opts, reuse=True, has_states=True)
+    []
+    >>> unused_options(opts, reuse=True, has_states=False)
+    ['snapshot_interval=8 does nothing: the model has no recurrent layers to snapshot']
+    >>> unused_options(opts, reuse=False, has_states=False)[0]
+    'num_slots=64 does nothing: the model is served without prefix reuse'
+    """
+    defaults, out = Options(), []
+    names = (("num_slots", "page_size") if not reuse else ()) + (
+        ("num_snapshots", "snapshot_interval") if not (reuse and has_states) else ())
+    for name in names:
+        value = getattr(opts, name)
+        if value != getattr(defaults, name):
+            why = ("the model is served without prefix reuse" if not reuse
+                   else "the model has no recurrent layers to snapshot")
+            out.append(f"{name}={value!r} does nothing: {why}")
+    return out

@@ -39,7 +39,7 @@ import mlxcache.engine.runner as runner_module  # noqa: E402
 import mlxcache.engine.store as store_module  # noqa: E402
 from mlxcache import zoo  # noqa: E402
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache  # noqa: E402
-from mlxcache.engine import Engine  # noqa: E402
+from mlxcache.engine import Engine, UnusedOptionWarning  # noqa: E402
 from mlxcache.pool import PoolExhausted, get_kv, init_pool, set_kv  # noqa: E402
 from mlxcache.radix import RadixCache  # noqa: E402
 from mlxcache.sampling import SamplingParams, _filter_top_p, sample  # noqa: E402
@@ -423,6 +423,22 @@ def test_the_defaults_build_with_the_prefix_cache_off_and_pages_that_fit(model):
     prompt = list(range(1, 17))
     assert engine.generate([prompt], max_tokens=1) == [mlx_greedy(model, prompt, 1)]
     assert engine.tree.total_size == 16
+
+
+def test_an_option_the_model_ignores_is_a_warning_naming_it(model):
+    """Snapshot options for a model without recurrent layers, or the pools' options for one
+    served without reuse, do nothing: a warning names each (not an error: one set of options
+    may serve many models); the defaults, and options a model uses, warn of nothing."""
+    with pytest.warns(UnusedOptionWarning, match="snapshot_interval=8 does nothing: the model "
+                                                 "has no recurrent layers"):
+        Engine(model, num_slots=32, snapshot_interval=8)
+    with pytest.warns(UnusedOptionWarning, match="num_slots=32 does nothing: the model is "
+                                                 "served without prefix reuse"):
+        Engine(model_named("mamba"), num_slots=32)  # its padding would change its state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, num_slots=32, page_size=2)
+        Engine(model_named("hybrid"), num_slots=32, num_snapshots=4, snapshot_interval=8)
 
 
 @pytest.mark.parametrize("tokenizer", ["path/to/tokenizer", object(), 3, {"encode": 1}])
