@@ -174,10 +174,9 @@ class Engine:
 
     Raises:
         ValueError: a size, fraction, dtype, bucket list or parameter tree that cannot work,
-            or a config value that is not implemented, naming it; an option given that
-            would do nothing in the mode chosen, naming both (``snapshot_interval``,
-            ``num_snapshot_slots`` or ``snapshot_buckets`` without a prefix cache,
-            ``overlap=True`` or ``decode_steps > 1`` under a ``mesh``).
+            or a config value that is not implemented, naming it; an option that would do
+            nothing in the mode chosen (prefix-cache options without the cache, ``overlap``
+            or ``decode_steps > 1`` under a ``mesh``), naming both.
 
     Two greedy prompts on a tiny random model; the engine compiles one EXTEND and one
     DECODE step here (one per shape bucket used):
