@@ -18,13 +18,49 @@ Throughput, defined once:
 (0.75, 20.0, 80.0, 128.0, 0.2)
 >>> ServingStats().hit_rate  # nothing yet: rates are 0, not an error
 0.0
+
+Latency figures stay bounded over a long life: ``mean_ttft`` comes from running sums
+(``ttft_count``, ``ttft_sum``), and ``ttft`` keeps only the last ``TTFT_WINDOW`` values
+(a ``Window``), for percentiles of recent requests.
+
+>>> s = ServingStats()
+>>> for i in range(3000):
+...     s.add_ttft(0.001 * i)
+>>> len(s.ttft), s.ttft_count, round(s.mean_ttft, 4), round(s.ttft[-1], 3)
+(1024, 3000, 1.4995, 2.999)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from collections.abc import Iterable
 
-__all__ = ["ServingStats"]
+__all__ = ["TTFT_WINDOW", "ServingStats", "Window"]
+
+TTFT_WINDOW = 1024
+"""Times to first token ``ServingStats.ttft`` keeps (the most recent ones)."""
+
+
+class Window(deque):
+    """The last ``maxlen`` values of a series, oldest first: a ``deque`` that also slices
+    and prints as a list.
+
+    >>> w = Window([1, 2, 3], maxlen=2)
+    >>> w, w[-1], w[:1], len(w)
+    ([2, 3], 3, [2], 2)
+    """
+
+    def __init__(self, values: Iterable[float] = (), maxlen: int | None = TTFT_WINDOW):
+        super().__init__(values, maxlen)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        return super().__getitem__(i)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclasses.dataclass
@@ -38,7 +74,9 @@ class ServingStats:
     steps that ran no prompt token; ``token_evictions``: token slots the prefix cache evicted;
     ``snapshots_taken`` / ``state_evictions``: recurrent-state snapshots the prefix cache
     stored / evicted (0 for a model without recurrent layers); ``ttft``: seconds from each
-    request's arrival to its first token.
+    request's arrival to its first token, the last ``TTFT_WINDOW`` of them (a ``Window``;
+    a list given to the constructor is kept as one), ``ttft_count`` / ``ttft_sum`` over all
+    of them (``add_ttft`` records one).
 
     >>> ServingStats(prompt_tokens=10, prefill_tokens=10, prefill_seconds=0.1).prefill_tok_s
     100.0
@@ -54,7 +92,27 @@ class ServingStats:
     token_evictions: int = 0
     snapshots_taken: int = 0
     state_evictions: int = 0
-    ttft: list[float] = dataclasses.field(default_factory=list)
+    ttft: Window = dataclasses.field(default_factory=Window)
+    ttft_count: int = 0
+    ttft_sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttft, Window):  # a list given: the counts start from it
+            given = list(self.ttft)
+            self.ttft = Window(given)
+            if not self.ttft_count:
+                self.ttft_count, self.ttft_sum = len(given), float(sum(given))
+
+    def add_ttft(self, seconds: float) -> None:
+        """Record one request's time to first token.
+
+        >>> s = ServingStats(ttft=[0.5])
+        >>> s.add_ttft(1.5); s.ttft, s.ttft_count, s.mean_ttft
+        ([0.5, 1.5], 2, 1.0)
+        """
+        self.ttft.append(seconds)
+        self.ttft_count += 1
+        self.ttft_sum += seconds
 
     @property
     def hit_rate(self) -> float:
@@ -78,5 +136,6 @@ class ServingStats:
 
     @property
     def mean_ttft(self) -> float:
-        """Mean time to first token in seconds; 0 before any."""
-        return sum(self.ttft) / len(self.ttft) if self.ttft else 0.0
+        """Mean time to first token in seconds, over every request (running sums); 0 before
+        any."""
+        return self.ttft_sum / self.ttft_count if self.ttft_count else 0.0

@@ -180,7 +180,7 @@ class StatsClock:
             s.requests += 1
             s.prompt_tokens += len(r.prompt)
             s.cached_tokens += r.start
-            s.ttft.append(ready - r.arrival)
+            s.add_ttft(ready - r.arrival)
 
     def host_time(self, run: Run, prefill: bool, t_wait: float, now: float,
                   covered: bool) -> None:

@@ -257,7 +257,8 @@ class Runner:
         s.cached_tokens += sum(j.cached for j in jobs)
         s.prefill_tokens += sum(map(len, todo))
         s.prefill_seconds += toc - tic
-        s.ttft.extend(toc - j.arrival for j in jobs)
+        for j in jobs:
+            s.add_ttft(toc - j.arrival)
         return caches
 
     def _decode_step(self, group: Group) -> None:

@@ -23,7 +23,8 @@ class EngineStats(ServingStats):
     the ones run through the model (``prompt_tokens == cached_tokens + prefill_tokens``);
     ``token_evictions`` counts tokens the tree evicted to make room (``reset_cache`` is not
     counted); ``ttft`` holds each request's seconds from its arrival (the call that queued
-    it: ``generate``, ``stream`` or ``add_request``) to its first token.
+    it: ``generate``, ``stream`` or ``add_request``) to its first token, the last
+    ``servecore.stats.TTFT_WINDOW`` of them (``mean_ttft`` is over all).
     ``effective_prefill_tok_s`` counts cached prompt tokens too; ``prefill_tok_s`` only the
     computed ones.
 
