@@ -42,6 +42,14 @@ The price: while a request decodes, its prompt K/V exists twice (in the pool, wh
 requests share it, and in its row). That copy is bounded by the running batch, not by the pool,
 and buys decode steps as cheap as mlx-lm's own ``BatchKVCache``.
 
+The buffers follow the batch, both ways: a row count is the next power of two (at least 1),
+a token capacity is ``capacity(longest row)`` (a power of two from ``MIN_CAPACITY`` up to
+``step``, then a multiple of ``step``); they grow on a join or a write that needs room, and
+``fit`` shrinks them to what is left when a row leaves (to nothing when the last row goes).
+One request of 960 tokens among seven of 8 still makes one buffer of 8 x 1024 token rows:
+the engine keeps requests of very different lengths in different batches
+(``mlxcache.engine.runner_pooled``).
+
 When every row has the same length, ``offset`` is a plain ``int`` and the mask is ``None`` (one
 token) or ``"causal"``, exactly what ``KVCache`` gives, so a single request runs through the
 same code as a plain mlx-lm cache, and models whose RoPE rejects array offsets still work one
@@ -76,7 +84,28 @@ from mlxcache.pool import KVPool, get_kv, host_slots
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float
 
-__all__ = ["RaggedArraysCache", "RaggedKVCache"]
+__all__ = ["MIN_CAPACITY", "RaggedArraysCache", "RaggedKVCache", "capacity"]
+
+MIN_CAPACITY = 16
+"""The smallest token capacity of a ``RaggedKVCache`` buffer."""
+
+
+def capacity(tokens: int, step: int = 256) -> int:
+    """The token capacity of a buffer that must hold ``tokens``: the next power of two (at
+    least ``MIN_CAPACITY``) below ``step``, else the next multiple of ``step``; 0 for none.
+
+    >>> [capacity(n) for n in (0, 1, 17, 200, 256, 257, 960)]
+    [0, 16, 32, 256, 256, 512, 1024]
+    """
+    if tokens <= 0:
+        return 0
+    if tokens >= step:
+        return step * -(-tokens // step)
+    return max(MIN_CAPACITY, 1 << (tokens - 1).bit_length())
+
+
+def _pow2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def _scatter_tokens(buf: mx.array, pos: mx.array, new: mx.array) -> mx.array:
@@ -209,7 +238,7 @@ class RaggedKVCache:
         each row's last ``window - 1`` tokens, all that the next query sees; ``table`` is the
         flat ``[B * width]`` gather of the buffer, None if every row is empty.
 
-        The gather fills the whole buffer, ``width`` a multiple of ``step`` with room for
+        The gather fills the whole buffer, ``width = capacity(widest + reserve)`` with room for
         ``reserve`` more tokens (so the coming prefill writes in place, not into a grown
         copy); its tail is slot 0, the sink: padding, never read (lengths and masks bound
         every read), so no zeroed buffer is written twice."""
@@ -221,7 +250,7 @@ class RaggedKVCache:
         widest = max(lengths, default=0)
         if widest == 0:
             return starts, lengths, None
-        width = cls.step * -(-(widest + max(reserve, 0)) // cls.step)
+        width = capacity(widest + max(reserve, 0), cls.step)
         table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
             table[i, : len(r)] = r
@@ -235,14 +264,12 @@ class RaggedKVCache:
         return len(self.lengths)
 
     def _grow(self, rows: int, tokens: int, like_k: mx.array, like_v: mx.array) -> None:
-        """Ensure room for ``rows`` rows of ``tokens`` tokens (rows double, tokens step 256)."""
+        """Room for ``rows`` rows (a power of two) of ``tokens`` tokens (``capacity``)."""
         r_cap, t_cap = (0, 0) if self.keys is None else (self.keys.shape[0], self.keys.shape[2])
         if rows <= r_cap and tokens <= t_cap:
             return
-        new_r = max(r_cap, 1)
-        while new_r < rows:
-            new_r *= 2
-        new_t = max(t_cap, self.step * -(-tokens // self.step))
+        new_r = max(r_cap, _pow2(rows))
+        new_t = max(t_cap, capacity(tokens, self.step))
         _, h, _, dk = like_k.shape
         keys = mx.zeros((new_r, h, new_t, dk), like_k.dtype)
         values = mx.zeros((new_r, h, new_t, like_v.shape[3]), like_v.dtype)
@@ -309,6 +336,27 @@ class RaggedKVCache:
             self.starts[row] = self.starts[last]
         self.lengths.pop()
         self.starts.pop()
+
+    def fit(self) -> None:
+        """Shrink the buffers to what the rows need (rows: the next power of two; tokens:
+        ``capacity`` of the longest; a copy), to nothing with no row left.
+
+        >>> c = RaggedKVCache()
+        >>> for t in (900, 8, 8):
+        ...     _ = c.add_row(mx.zeros((1, 1, t, 2)), mx.zeros((1, 1, t, 2)))
+        >>> c.keys.shape, c.remove_row(0), c.fit(), c.keys.shape   # the long row left
+        ((4, 1, 1024, 2), None, None, (2, 1, 16, 2))
+        """
+        if self.keys is None or not self.lengths:
+            self.keys = self.values = None
+            return
+        r_cap, t_cap = self.keys.shape[0], self.keys.shape[2]
+        new_r = min(r_cap, _pow2(self.batch_size))
+        new_t = min(t_cap, capacity(max(self.lengths), self.step))
+        if (new_r, new_t) == (r_cap, t_cap):
+            return
+        self.keys = mx.contiguous(self.keys[:new_r, :, :new_t])
+        self.values = mx.contiguous(self.values[:new_r, :, :new_t])
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set each row's length to ``lengths[i]`` (at most its current one): after a padded

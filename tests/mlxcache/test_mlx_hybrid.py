@@ -207,7 +207,8 @@ def test_a_sliding_layer_holds_only_its_window(family):
     e.generate([p], max_tokens=2)
     stream = e.stream([p + tokens(91, 4)], max_tokens=4)
     got = [next(stream)[1], next(stream)[1]]
-    caches = leaves(e.core.path.batch.caches)
+    [group] = e.core.path.groups  # the one request's running batch
+    caches = leaves(group.caches)
     ran = max(c.end(0) for c in caches)  # the prompt and the tokens decoded so far
     assert ran > len(p) + 4
     for leaf, c in zip(e.layout.leaves, caches, strict=True):
