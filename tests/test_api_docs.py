@@ -73,6 +73,7 @@ MLXCACHE_API = [
     "mlxcache.engine.options",
     "mlxcache.engine.stats",
     "mlxcache.engine.sizing",
+    "mlxcache.engine.memory",
     "mlxcache.engine.forward",
     "mlxcache.engine.job",
     "mlxcache.engine.store",

@@ -45,12 +45,13 @@ Examples:
 
 from mlxcache.engine.admission import CPU_FORWARD_COST_TOKENS, CPU_PREFILL_BATCH_TOKENS
 from mlxcache.engine.engine import Engine
+from mlxcache.engine.memory import MemoryReport
 from mlxcache.engine.options import Options, UnusedOptionWarning, check_options
 from mlxcache.engine.sizing import MAX_AUTO_SLOTS, auto_num_slots
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Mode, ReuseDisabledWarning, Support
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "MAX_AUTO_SLOTS", "Engine",
-           "EngineStats", "Mode", "Options", "ReuseDisabledWarning", "Support",
-           "UnusedOptionWarning",
+           "EngineStats", "MemoryReport", "Mode", "Options", "ReuseDisabledWarning",
+           "Support", "UnusedOptionWarning",
            "auto_num_slots", "check_options"]

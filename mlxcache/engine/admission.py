@@ -9,7 +9,9 @@ their uncached tokens ``prefill_batch_tokens`` (on MLX's CPU device also at most
 one already in the batch waits for the next batch, so that it reuses that prefix once
 inserted. With prefix reuse each admitted request's matched prefix is locked and its new
 slots reserved (``PrefixStore.reserve``); when they cannot be had, admission stops and the
-request waits for running ones to finish.
+request waits for running ones to finish. So it does when the decode buffers that the
+running requests and it could come to need would not fit their budget
+(``mlxcache.engine.memory.WorkingBudget``), unless nothing else runs.
 
 Examples:
     >>> from mlxcache.engine.options import check_options
@@ -27,6 +29,7 @@ from collections import deque
 import mlx.core as mx
 
 from mlxcache.engine.job import Job
+from mlxcache.engine.memory import WorkingBudget
 from mlxcache.engine.options import Options
 from mlxcache.engine.store import PrefixStore
 
@@ -66,15 +69,18 @@ MAX_OVERTAKEN = 16
 class Admission:
     """The waiting queue and the rule that takes prefill batches from it (see the module
     docstring). ``store`` is the prefix store (None without reuse); ``batched``: whether a
-    batch may hold more than one request.
+    batch may hold more than one request; ``working``: the decode buffers' budget (None:
+    none).
 
     >>> from mlxcache.engine.options import check_options
     >>> Admission(check_options(), store=None, batched=False).max_batch_size
     32
     """
 
-    def __init__(self, opts: Options, store: PrefixStore | None, batched: bool):
+    def __init__(self, opts: Options, store: PrefixStore | None, batched: bool,
+                 working: WorkingBudget | None = None):
         self.store = store
+        self.working = working
         self.batched = batched
         self.max_batch_size = opts.max_batch_size
         self.prefill_step_size = opts.prefill_step_size
@@ -118,6 +124,8 @@ class Admission:
                 or total + todo > self.prefill_batch_tokens
                 or self._shares_uncached(job, cached, batch)
             ):
+                break
+            if (batch or running) and self.working and not self.working.fits([*batch, job]):
                 break
             if store is not None and not store.reserve(job, m):
                 break

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcache.engine.memory import MemoryReport
 from mlxcache.engine.options import UnusedOptionWarning, check_options, unused_options
 from mlxcache.engine.runner import Runner
 from mlxcache.engine.stats import EngineStats
@@ -56,7 +57,10 @@ class Engine:
         num_slots: KV pool size in token slots (slot 0 is padding); None sizes it from free
             memory times ``mem_fraction`` (Metal working set on Apple silicon, else
             ``servecore.memory_budget``: ``MemAvailable`` capped by any cgroup memory limit),
-            capped at ``MAX_AUTO_SLOTS`` (``mlxcache.engine.sizing``).
+            capped at ``MAX_AUTO_SLOTS``, a quarter of that budget kept for the decode buffers
+            (``mlxcache.engine.sizing``; a budget too small for a useful cache is a
+            ``ValueError``). Given, the decode buffers may hold as many bytes as the pool;
+            requests wait for room beyond that (``Engine.memory``).
         page_size: radix tree granularity in tokens: the tree caches whole pages, so at most
             ``num_slots - 1`` (the longest prompt the pool takes; a larger page is a
             ``ValueError``). A hybrid model's snapshots sit on page boundaries (a planned
@@ -248,6 +252,23 @@ class Engine:
     tree = delegate("core.store.tree",
                     "The radix tree (None without reuse). Read it; do not modify it.",
                     missing=None)
+
+    @property
+    def memory(self) -> MemoryReport:
+        """What the engine holds for serving, part by part, against its budget
+        (``mlxcache.engine.memory``): the KV pool, the snapshots, the decode buffers now and
+        at their peak.
+
+        Examples:
+            >>> from mlxcache.zoo import make_model
+            >>> engine = Engine(make_model(), num_slots=64)
+            >>> m = engine.memory
+            >>> m.serving_bytes <= m.budget_bytes, m.working_bytes
+            (True, 0)
+        """
+        with self.streams.serialized():
+            core = self.core
+            return MemoryReport.of(core.store, core.path.groups, core.peak_working_bytes)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix that no running request holds: evict all that is

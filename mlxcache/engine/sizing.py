@@ -1,16 +1,29 @@
-"""How big the engine's pools are: given, or sized from free memory.
+"""How big the engine's pools are, and its memory budget: given, or sized from free memory.
 
 The KV pool holds ``num_slots`` token slots of every attention layer's K/V; a hybrid model's
-state pool holds ``num_snapshots`` snapshots of every recurrent layer's state. Given no
-``num_slots``, the pools take ``mem_fraction`` of the memory the pool may draw from (the
-Metal working set on Apple silicon, else ``servecore.memory_budget``: ``MemAvailable``
-capped by any cgroup limit); snapshots then take a quarter of it.
+state pool holds ``num_snapshots`` snapshots of every recurrent layer's state; the running
+batches' decode buffers (``mlxcache.cache``) hold what the running requests have computed.
+All three are inside one budget (``PoolSizes.budget_bytes``):
+
+- given no ``num_slots``, the budget is ``mem_fraction`` of the memory the pools may draw
+  from (the Metal working set on Apple silicon, else ``servecore.memory_budget``:
+  ``MemAvailable`` capped by any cgroup limit). The decode buffers get a quarter of it
+  (``WORKING_SHARE``); of the rest, snapshots take a quarter (unless their number is given)
+  and the token pool what is left. A budget that cannot hold ``MIN_AUTO_SLOTS`` token slots
+  (and, for a hybrid model, ``MIN_AUTO_SNAPSHOTS`` snapshots) is a ``ValueError`` naming
+  the numbers: such a cache would be of no use, and the sizer never goes past its budget.
+- given ``num_slots``, the budget is what the sizes take: the pool, the snapshots (given, or
+  a quarter of the pool's bytes, at least ``MIN_AUTO_SNAPSHOTS``) and as many bytes of
+  decode buffers as the pool holds.
+
+Admission keeps the decode buffers inside their part (``PoolSizes.working_bytes``):
+``mlxcache.engine.memory``.
 
 Examples:
     >>> s = pool_sizes(per_slot=1024, per_snapshot=0, num_slots=64, num_snapshots=None,
     ...                mem_fraction=0.5, has_states=False)
-    >>> s.num_slots, s.origin
-    (64, 'given')
+    >>> s.num_slots, s.origin, s.working_bytes, s.budget_bytes
+    (64, 'given', 65536, 131072)
 """
 
 from __future__ import annotations
@@ -21,14 +34,22 @@ import mlx.core as mx
 
 from servecore.memory import memory_budget
 
-__all__ = ["MAX_AUTO_SLOTS", "MAX_AUTO_SNAPSHOTS", "MIN_AUTO_SNAPSHOTS", "PoolSizes",
-           "auto_num_slots", "pool_sizes"]
+__all__ = ["MAX_AUTO_SLOTS", "MAX_AUTO_SNAPSHOTS", "MIN_AUTO_SLOTS", "MIN_AUTO_SNAPSHOTS",
+           "WORKING_SHARE", "PoolSizes", "auto_num_slots", "pool_sizes"]
 
 MAX_AUTO_SLOTS = 1 << 20
 """Upper bound on an automatically sized pool (about a million tokens)."""
 
+MIN_AUTO_SLOTS = 256
+"""The fewest token slots an automatic budget must hold (else a ``ValueError``)."""
+
 MIN_AUTO_SNAPSHOTS, MAX_AUTO_SNAPSHOTS = 8, 4096
-"""Bounds on an automatically sized state pool (hybrid models)."""
+"""Bounds on an automatically sized state pool (hybrid models): an automatic budget that
+holds fewer snapshots is a ``ValueError``; snapshots sized from a given ``num_slots`` are at
+least this many."""
+
+WORKING_SHARE = 4
+"""An automatic budget gives ``1 / WORKING_SHARE`` of itself to the decode buffers."""
 
 
 def _memory_budget() -> tuple[int, str]:
@@ -63,7 +84,8 @@ def auto_num_slots(
 
 
 class PoolSizes(NamedTuple):
-    """The pools' sizes and where the figure came from (``origin``, for the log).
+    """The pools' sizes, where the figure came from (``origin``, for the log), the whole
+    budget and the decode buffers' part of it, in bytes.
 
     >>> PoolSizes(8, 0, "given").num_snapshots
     0
@@ -72,29 +94,45 @@ class PoolSizes(NamedTuple):
     num_slots: int
     num_snapshots: int
     origin: str
+    budget_bytes: int = 0
+    working_bytes: int = 0
 
 
 def pool_sizes(*, per_slot: int, per_snapshot: int, num_slots: int | None,
                num_snapshots: int | None, mem_fraction: float, has_states: bool) -> PoolSizes:
-    """The pools' sizes: given ones kept; without ``num_slots``, from free memory (see the
-    module docstring); without ``num_snapshots`` (hybrid models), a quarter of the budget
-    in snapshots, within ``[MIN_AUTO_SNAPSHOTS, MAX_AUTO_SNAPSHOTS]``.
+    """The pools' sizes and the budget (see the module docstring): ``per_slot`` bytes a
+    token slot, ``per_snapshot`` a snapshot; given sizes are kept.
 
-    >>> pool_sizes(per_slot=10, per_snapshot=100, num_slots=400, num_snapshots=None,
-    ...            mem_fraction=0.5, has_states=True)
-    PoolSizes(num_slots=400, num_snapshots=10, origin='given')
+    >>> s = pool_sizes(per_slot=10, per_snapshot=100, num_slots=400, num_snapshots=None,
+    ...                mem_fraction=0.5, has_states=True)
+    >>> s.num_snapshots, s.origin, s.budget_bytes, s.working_bytes   # 4000 + 1000 + 4000
+    (10, 'given', 9000, 4000)
     """
-    if num_slots is None:
-        num_slots, budget, source = auto_num_slots(per_slot, mem_fraction)
-        origin = f"auto: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB"
-    else:
-        budget, origin = num_slots * per_slot, "given"
+    if num_slots is not None:
+        pool = num_slots * per_slot
+        if has_states and num_snapshots is None:
+            num_snapshots = int(min(MAX_AUTO_SNAPSHOTS,
+                                    max(MIN_AUTO_SNAPSHOTS, pool // 4 // per_snapshot)))
+        num_snapshots = num_snapshots if has_states else 0
+        return PoolSizes(num_slots, num_snapshots, "given",
+                         2 * pool + num_snapshots * per_snapshot, pool)
+    avail, source = _memory_budget()
+    budget = int(avail * mem_fraction)
+    working = budget // WORKING_SHARE
+    cache = budget - working  # the pools' part
+    origin = f"auto: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB"
     if not has_states:
-        return PoolSizes(num_slots, 0, origin)
-    if num_snapshots is None:
-        # Snapshots take a quarter of the cache memory: the token pool keeps the rest.
-        if origin != "given":
-            num_slots = max(2, num_slots * 3 // 4)
-        num_snapshots = int(min(MAX_AUTO_SNAPSHOTS,
-                                max(MIN_AUTO_SNAPSHOTS, budget // 4 // per_snapshot)))
-    return PoolSizes(num_slots, num_snapshots, origin)
+        num_snapshots = 0
+    elif num_snapshots is None:  # a quarter of the pools' part
+        num_snapshots = int(min(MAX_AUTO_SNAPSHOTS, cache // 4 // per_snapshot))
+    num_slots = int(min(MAX_AUTO_SLOTS, (cache - num_snapshots * per_snapshot) // per_slot))
+    if num_slots < MIN_AUTO_SLOTS or (has_states and num_snapshots < MIN_AUTO_SNAPSHOTS):
+        states = (f" and {MIN_AUTO_SNAPSHOTS} snapshots of {per_snapshot} B"
+                  if has_states else "")
+        raise ValueError(
+            f"mem_fraction={mem_fraction:g} of the {source} ({avail} B) is a budget of "
+            f"{budget} B, which holds {max(num_slots, 0)} token slots of {per_slot} B and "
+            f"{num_snapshots} snapshots after a quarter for the decode buffers: too small for "
+            f"a useful cache (at least {MIN_AUTO_SLOTS} slots{states}). Raise mem_fraction "
+            "or give num_slots (and num_snapshots)")
+    return PoolSizes(num_slots, num_snapshots, origin, budget, working)

@@ -35,7 +35,7 @@ from mlxcache.cache import RaggedArraysCache, RaggedKVCache
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Job
 from mlxcache.engine.options import Options, check_page_size
-from mlxcache.engine.sizing import pool_sizes
+from mlxcache.engine.sizing import PoolSizes, pool_sizes
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Support
 from mlxcache.layers import build, leaves
@@ -133,6 +133,7 @@ class PrefixStore:
         self.slots = AllocatorSlots(init_allocator(num_slots))
         self.tree = RadixCache(opts.page_size, states=self.has_states)
         self.states = self.state_slots = None
+        self.sizes = PoolSizes(num_slots, num_snapshots, "given")  # build() sets the budget
         if self.has_states:
             self.states = init_state_pool(
                 [x for leaf in self.layout.like for x in leaf if x is not None], num_snapshots)
@@ -153,11 +154,14 @@ class PrefixStore:
                            mem_fraction=opts.mem_fraction, has_states=support.has_states)
         check_page_size(opts.page_size, sizes.num_slots)  # an automatic pool is known here
         store = cls(support, opts, stats, sizes.num_slots, sizes.num_snapshots)
+        store.sizes = sizes
         log.info(
             "mlxcache: KV pool %d slots x %d B = %.2f GiB (%s); %d attention layers, %d kv "
-            "heads, head_dim %d, %s, page_size %d; state pool %d snapshots x %d B",
+            "heads, head_dim %d, %s, page_size %d; state pool %d snapshots x %d B; decode "
+            "buffers up to %.2f GiB",
             sizes.num_slots, per_slot, sizes.num_slots * per_slot / 2**30, sizes.origin, n_kv,
             heads, head_dim, dtype, opts.page_size, sizes.num_snapshots, per_snapshot,
+            sizes.working_bytes / 2**30,
         )  # fmt: skip
         return store
 

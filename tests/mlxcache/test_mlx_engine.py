@@ -621,7 +621,8 @@ def test_pool_is_sized_from_memory_when_not_given(llama_model):
 
 
 def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch, llama_model):
-    """A 64 MiB container on a host with 512 GiB available sizes its pool from the 64 MiB."""
+    """A 64 MiB container on a host with 512 GiB available sizes its pool from the 64 MiB:
+    a budget of half of it, a quarter of which is kept for the decode buffers."""
     from mlxcache.engine import sizing
     from servecore import memory
 
@@ -637,4 +638,5 @@ def test_automatic_pool_size_honours_a_cgroup_memory_limit(tmp_path, monkeypatch
                         lambda: memory.memory_budget(proc, cgroup))
     engine = Engine(llama_model, mem_fraction=0.5)
     per_slot = 2 * 2 * 4 * 16 * 4  # K and V, 2 layers, 4 kv heads, head_dim 16, float32
-    assert engine.num_slots == (32 << 20) // per_slot
+    assert engine.memory.budget_bytes == 32 << 20
+    assert engine.num_slots == (32 << 20) * 3 // 4 // per_slot
