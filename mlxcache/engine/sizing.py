@@ -8,10 +8,11 @@ All three are inside one budget (``PoolSizes.budget_bytes``):
 - given no ``num_slots``, the budget is ``mem_fraction`` of the memory the pools may draw
   from (the Metal working set on Apple silicon, else ``servecore.memory_budget``:
   ``MemAvailable`` capped by any cgroup limit). The decode buffers get a quarter of it
-  (``WORKING_SHARE``); of the rest, snapshots take a quarter (unless their number is given)
-  and the token pool what is left. A budget that cannot hold ``MIN_AUTO_SLOTS`` token slots
-  (and, for a hybrid model, ``MIN_AUTO_SNAPSHOTS`` snapshots) is a ``ValueError`` naming
-  the numbers: such a cache would be of no use, and the sizer never goes past its budget.
+  (``WORKING_SHARE``); of the rest, snapshots take a quarter (at least
+  ``MIN_AUTO_SNAPSHOTS``, unless their number is given) and the token pool what is left.
+  A budget that cannot hold ``MIN_AUTO_SLOTS`` token slots (and, for a hybrid model,
+  ``MIN_AUTO_SNAPSHOTS`` snapshots) is a ``ValueError`` naming the numbers: such a cache
+  would be of no use, and the sizer never goes past its budget.
 - given ``num_slots``, the budget is what the sizes take: the pool, the snapshots (given, or
   a quarter of the pool's bytes, at least ``MIN_AUTO_SNAPSHOTS``) and as many bytes of
   decode buffers as the pool holds.
@@ -44,9 +45,9 @@ MIN_AUTO_SLOTS = 256
 """The fewest token slots an automatic budget must hold (else a ``ValueError``)."""
 
 MIN_AUTO_SNAPSHOTS, MAX_AUTO_SNAPSHOTS = 8, 4096
-"""Bounds on an automatically sized state pool (hybrid models): an automatic budget that
-holds fewer snapshots is a ``ValueError``; snapshots sized from a given ``num_slots`` are at
-least this many."""
+"""Bounds on an automatically sized state pool (hybrid models), taken from the budget
+(an automatic budget that cannot hold the least of them and ``MIN_AUTO_SLOTS`` is a
+``ValueError``) or added to a given ``num_slots``."""
 
 WORKING_SHARE = 4
 """An automatic budget gives ``1 / WORKING_SHARE`` of itself to the decode buffers."""
@@ -123,8 +124,9 @@ def pool_sizes(*, per_slot: int, per_snapshot: int, num_slots: int | None,
     origin = f"auto: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB"
     if not has_states:
         num_snapshots = 0
-    elif num_snapshots is None:  # a quarter of the pools' part
-        num_snapshots = int(min(MAX_AUTO_SNAPSHOTS, cache // 4 // per_snapshot))
+    elif num_snapshots is None:  # a quarter of the pools' part, at least the minimum
+        num_snapshots = int(min(MAX_AUTO_SNAPSHOTS,
+                                max(MIN_AUTO_SNAPSHOTS, cache // 4 // per_snapshot)))
     num_slots = int(min(MAX_AUTO_SLOTS, (cache - num_snapshots * per_snapshot) // per_slot))
     if num_slots < MIN_AUTO_SLOTS or (has_states and num_snapshots < MIN_AUTO_SNAPSHOTS):
         states = (f" and {MIN_AUTO_SNAPSHOTS} snapshots of {per_snapshot} B"
