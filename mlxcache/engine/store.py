@@ -133,11 +133,13 @@ class PrefixStore:
         self.slots = AllocatorSlots(init_allocator(num_slots))
         self.tree = RadixCache(opts.page_size, states=self.has_states)
         self.states = self.state_slots = None
-        self.sizes = PoolSizes(num_slots, num_snapshots, "given")  # build() sets the budget
         if self.has_states:
             self.states = init_state_pool(
                 [x for leaf in self.layout.like for x in leaf if x is not None], num_snapshots)
             self.state_slots = AllocatorSlots(init_allocator(num_snapshots))
+        # The budget of given sizes (``mlxcache.engine.sizing``); ``build`` sets its own.
+        self.sizes = PoolSizes(num_slots, num_snapshots, "given",
+                               self.cache_bytes + self.pool.nbytes, self.pool.nbytes)
         mx.eval(self.arrays())
 
     @classmethod
