@@ -268,7 +268,8 @@ class Engine:
         """
         with self.streams.serialized():
             core = self.core
-            return MemoryReport.of(core.store, core.path.groups, core.peak_working_bytes)
+            return MemoryReport.of(core.store, core.path.groups, core.peak_working_bytes,
+                                   core.working)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix that no running request holds: evict all that is

@@ -34,16 +34,21 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mlxcache.cache import capacity
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Group, Job
+from mlxcache.engine.options import Options
 from mlxcache.engine.runner_pooled import length_bucket
+from mlxcache.engine.sizing import PoolSizes, buffer_sizes
+from mlxcache.engine.support import Support
 from mlxcache.layers import leaves
+from mlxcache.pool import bytes_per_token_slot
 
-__all__ = ["MemoryReport", "WorkingBudget", "batch_bytes", "working_bytes"]
+__all__ = ["MemoryReport", "WorkingBudget", "batch_bytes", "working_budget", "working_bytes"]
 
 
 def batch_bytes(rows: Iterable[tuple[int, int]], per_token: int, per_row: int) -> int:
@@ -85,15 +90,18 @@ def working_bytes(groups: Sequence[Group]) -> int:
 
 class WorkingBudget:
     """The admission rule of the module docstring: ``fits(jobs)`` tells whether the running
-    jobs of ``groups()`` and ``jobs`` could all run to their end inside ``limit`` bytes.
+    jobs of ``groups()`` and ``jobs`` could all run to their end inside ``limit`` bytes, the
+    decode buffers' part of the budget ``sizes``.
 
-    >>> WorkingBudget(lambda: [], per_token=1024, per_row=0, limit=1 << 20).limit
-    1048576
+    >>> b = WorkingBudget(lambda: [], 1024, 0, PoolSizes(0, 0, "test", 1 << 20, 1 << 20))
+    >>> b.limit, b.need([])
+    (1048576, 0)
     """
 
-    def __init__(self, groups, per_token: int, per_row: int, limit: int):
-        self.groups = groups
-        self.per_token, self.per_row, self.limit = per_token, per_row, limit
+    def __init__(self, groups: Callable[[], Sequence[Group]], per_token: int, per_row: int,
+                 sizes: PoolSizes):
+        self.groups, self.sizes = groups, sizes
+        self.per_token, self.per_row, self.limit = per_token, per_row, sizes.working_bytes
 
     def need(self, jobs: Sequence[Job]) -> int:
         """Bytes the running jobs and ``jobs`` could come to need (``batch_bytes``)."""
@@ -106,6 +114,33 @@ class WorkingBudget:
         return self.need(jobs) <= self.limit
 
 
+def working_budget(support: Support, opts: Options, store: Any,
+                   groups: Callable[[], Sequence[Group]]) -> WorkingBudget | None:
+    """The decode buffers' budget of an engine: with reuse, the part of the store's budget
+    (``store.sizes``); without, ``sizing.buffer_sizes``; None for a model served on mlx-lm's
+    own caches (their layout is not the engine's: no budget).
+
+    >>> from mlxcache.engine.options import check_options
+    >>> from mlxcache.zoo import make_model
+    >>> opts = check_options(prefix_cache=False)
+    >>> b = working_budget(Support.probe(make_model(), False), opts, None, lambda: [])
+    >>> b.per_token, b.sizes.num_slots, b.limit == b.sizes.budget_bytes
+    (1024, 0, True)
+    """
+    if store is not None:
+        states = store.states
+        return WorkingBudget(groups, store.pool.bytes_per_slot,
+                             0 if states is None else states.bytes_per_slot, store.sizes)
+    if support.kv is None or not support.supported:
+        return None
+    heads, head_dim, v_head_dim, dtype = support.kv
+    layout = support.layout
+    per_token = bytes_per_token_slot(len(layout.kv_leaves), heads, head_dim, dtype, v_head_dim)
+    per_row = sum(math.prod(x[0]) * x[1].size for leaf in layout.like for x in leaf
+                  if x is not None)
+    return WorkingBudget(groups, per_token, per_row, buffer_sizes(opts.mem_fraction))
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """What an engine holds for serving (``mlxcache.Engine.memory``; see the module
@@ -114,8 +149,8 @@ class MemoryReport:
     (one snapshot).
 
     Attributes:
-        budget_bytes: everything below is inside it (0: no budget, the engine serves
-            without reuse, and then only the decode buffers are held).
+        budget_bytes: everything below is inside it (without reuse: the decode buffers'
+            alone; 0 for a model served on mlx-lm's own caches: no budget).
         working_budget_bytes: the decode buffers' part of it.
         kv_pool_bytes / snapshot_pool_bytes: the KV pool, the state pool (fixed).
         working_bytes / peak_working_bytes: the decode buffers now, and the most they held
@@ -146,17 +181,22 @@ class MemoryReport:
     origin: str = ""
 
     @classmethod
-    def of(cls, store: Any, groups: Sequence[Group], peak_working_bytes: int) -> MemoryReport:
-        """The report of an engine whose prefix store is ``store`` (None: no reuse) and whose
-        decode groups are ``groups``.
+    def of(cls, store: Any, groups: Sequence[Group], peak_working_bytes: int,
+           working: WorkingBudget | None = None) -> MemoryReport:
+        """The report of an engine whose prefix store is ``store`` (None: no reuse), whose
+        decode groups are ``groups`` and whose decode buffers' budget is ``working``.
 
-        >>> MemoryReport.of(None, [], 0).budget_bytes
-        0
+        >>> MemoryReport.of(None, [], 0).origin
+        "mlx-lm's own caches: no budget"
         """
         now = working_bytes(groups)
         peak = max(peak_working_bytes, now)
         if store is None:
-            return cls(0, 0, 0, 0, now, peak, 0, 0, 0, 0, "no reuse: no pools, no budget")
+            if working is None:
+                return cls(0, 0, 0, 0, now, peak, 0, 0, 0, 0, "mlx-lm's own caches: no budget")
+            sizes = working.sizes
+            return cls(sizes.budget_bytes, sizes.working_bytes, 0, 0, now, peak, 0,
+                       working.per_token, 0, 0, sizes.origin)
         sizes, states = store.sizes, store.states
         return cls(
             budget_bytes=sizes.budget_bytes, working_budget_bytes=sizes.working_bytes,

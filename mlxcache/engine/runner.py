@@ -57,7 +57,7 @@ import mlx.nn as nn
 from mlxcache.engine.admission import Admission
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import LIVE, Group, Job
-from mlxcache.engine.memory import WorkingBudget, working_bytes
+from mlxcache.engine.memory import working_budget, working_bytes
 from mlxcache.engine.options import Options
 from mlxcache.engine.runner_plain import PlainPath
 from mlxcache.engine.runner_pooled import PooledPath
@@ -92,12 +92,8 @@ class Runner:
         self.store = PrefixStore.build(support, opts, stats) if support.reuse else None
         self.path = (PooledPath(model, support, self.store, opts.page_size)
                      if support.supported else PlainPath(model))
-        store = self.store
-        self.working = None if store is None else WorkingBudget(
-            lambda: self.path.groups, per_token=store.pool.bytes_per_slot,
-            per_row=0 if store.states is None else store.states.bytes_per_slot,
-            limit=store.sizes.working_bytes)
-        self.admission = Admission(opts, store, support.batched, self.working)
+        self.working = working_budget(support, opts, self.store, lambda: self.path.groups)
+        self.admission = Admission(opts, self.store, support.batched, self.working)
         self.peak_working_bytes = 0  # the most the decode buffers held after a round
         self.jobs: dict[int, Job] = {}
         self._emit: Callable[[Event], None] | None = None

@@ -13,6 +13,8 @@ All three are inside one budget (``PoolSizes.budget_bytes``):
   A budget that cannot hold ``MIN_AUTO_SLOTS`` token slots (and, for a hybrid model,
   ``MIN_AUTO_SNAPSHOTS`` snapshots) is a ``ValueError`` naming the numbers: such a cache
   would be of no use, and the sizer never goes past its budget.
+- without reuse there are no pools: the budget, ``mem_fraction`` of that memory, is the
+  decode buffers' alone (``buffer_sizes``).
 - given ``num_slots``, the budget is what the sizes take: the pool, the snapshots (given, or
   a quarter of the pool's bytes, at least ``MIN_AUTO_SNAPSHOTS``) and as many bytes of
   decode buffers as the pool holds.
@@ -36,7 +38,7 @@ import mlx.core as mx
 from servecore.memory import memory_budget
 
 __all__ = ["MAX_AUTO_SLOTS", "MAX_AUTO_SNAPSHOTS", "MIN_AUTO_SLOTS", "MIN_AUTO_SNAPSHOTS",
-           "WORKING_SHARE", "PoolSizes", "auto_num_slots", "pool_sizes"]
+           "WORKING_SHARE", "PoolSizes", "auto_num_slots", "buffer_sizes", "pool_sizes"]
 
 MAX_AUTO_SLOTS = 1 << 20
 """Upper bound on an automatically sized pool (about a million tokens)."""
@@ -138,3 +140,17 @@ def pool_sizes(*, per_slot: int, per_snapshot: int, num_slots: int | None,
             f"a useful cache (at least {MIN_AUTO_SLOTS} slots{states}). Raise mem_fraction "
             "or give num_slots (and num_snapshots)")
     return PoolSizes(num_slots, num_snapshots, origin, budget, working)
+
+
+def buffer_sizes(mem_fraction: float) -> PoolSizes:
+    """The budget of an engine without reuse: no pools, ``mem_fraction`` of the memory
+    (as an automatic budget) for the decode buffers alone.
+
+    >>> s = buffer_sizes(0.25)
+    >>> s.num_slots, s.working_bytes == s.budget_bytes > 0
+    (0, True)
+    """
+    avail, source = _memory_budget()
+    budget = int(avail * mem_fraction)
+    return PoolSizes(0, 0, f"no reuse: {mem_fraction:g} x {source} = {budget / 2**30:.2f} GiB",
+                     budget, budget)

@@ -63,7 +63,9 @@ class Support:
     """The serving mode and the facts the engine branches on (see the module docstring).
 
     ``layout`` describes the model's caches (with each state array's shape once probed);
-    ``kv`` is ``(n_kv_heads, head_dim, v_head_dim, dtype)`` of the K/V pool (with reuse).
+    ``kv`` is ``(n_kv_heads, head_dim, v_head_dim, dtype)`` of every attention layer's K/V
+    (what the pool holds with reuse; the decode buffers are sized by it without), None when
+    the layers disagree or the model's caches are not the engine's.
 
     >>> Support(Mode.SOLO, None, reuse=True)
     Traceback (most recent call last):
@@ -128,7 +130,7 @@ class Support:
                 notes.append(f"ragged batches fail ({why}): serving one request per forward")
         reuse = prefix_cache and kv is not None
         return cls(mode, layout, reuse=reuse, has_states=bool(layout.state_leaves),
-                   pads_exactly=part, kv=kv if reuse else None, notes=tuple(notes))
+                   pads_exactly=part, kv=kv, notes=tuple(notes))
 
 
 def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:

@@ -31,7 +31,8 @@ def _rounds(engine: Engine, budget_checks: list) -> None:
     def checked(emit):
         out = run_round(emit)
         core = engine.core  # (engine.memory waits for the round: it is inside one)
-        m = MemoryReport.of(core.store, core.path.groups, core.peak_working_bytes)
+        m = MemoryReport.of(core.store, core.path.groups, core.peak_working_bytes,
+                            core.working)
         budget_checks.append(m.serving_bytes)
         assert m.serving_bytes <= m.budget_bytes, str(m)
         assert m.working_bytes <= m.working_budget_bytes, str(m)
@@ -176,3 +177,24 @@ def test_a_hybrid_model_on_a_tiny_automatic_budget_is_an_error_naming_it(monkeyp
     assert m.pool_bytes + m.working_budget_bytes <= m.budget_bytes
     assert m.num_snapshots >= sizing.MIN_AUTO_SNAPSHOTS
     assert "budget (auto: 0.5 x test memory" in str(m)
+
+
+def test_without_reuse_the_budget_is_the_decode_buffers_alone(monkeypatch):
+    """No pools: mem_fraction of the memory is the decode buffers' budget (here 48 KiB, for
+    rows of 1 KiB a token: eight 24-token requests, 32 rows of capacity each, fit one at a
+    time), and a model on mlx-lm's own caches reports that it has none."""
+    monkeypatch.setattr(sizing, "_memory_budget", lambda: (96 << 10, "test memory"))
+    engine = Engine(zoo.make_model(), prefix_cache=False, max_batch_size=8, mem_fraction=0.5)
+    served: list[int] = []
+    _rounds(engine, served)
+    prompts = [[i + 1] * 8 for i in range(8)]
+    assert engine.generate(prompts, max_tokens=16) == [
+        zoo.reference_generate(engine.model, p, 16) for p in prompts]
+    m = engine.memory
+    assert (m.budget_bytes, m.working_budget_bytes, m.pool_bytes) == (48 << 10, 48 << 10, 0)
+    assert 0 < m.peak_working_bytes <= m.budget_bytes and m.working_bytes == 0
+    assert str(m).startswith("serving 0 B of a 48.0 KiB budget (no reuse: 0.5 x test memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReuseDisabledWarning)
+        plain = Engine(zoo.make("llama4"), num_slots=64)
+    assert plain.generate([[1, 2, 3]], max_tokens=2) and plain.memory.budget_bytes == 0
