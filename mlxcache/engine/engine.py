@@ -87,7 +87,10 @@ class Engine:
 
     Scheduling, for time to first token: a round that admitted a prefill batch does not
     decode while admissible requests still wait (prefill first, as SGLang schedules), and
-    admission takes the waiting request with the fewest uncached tokens first.
+    admission takes the waiting request with the fewest uncached tokens first. Memory: the
+    running requests decode in one batch per length bucket, whose buffers follow them, and a
+    request waits while the buffers it could come to need would pass their part of the
+    budget (``Engine.memory``, ``mlxcache.engine.memory``).
 
     Models whose cache is not one the engine knows (``RotatingKVCache`` with keep,
     ``QuantizedKVCache``, ...) are served without reuse, one request per forward with mlx-lm's
