@@ -50,7 +50,7 @@ def compile_vs_layers(layers) -> list[dict]:
             for kind, mode, first, tokens, Q in (("prefill", ForwardMode.EXTEND, 0, T, T),
                                                  ("decode", ForwardMode.DECODE, 1, 1, 1)):
                 batch = make_worker_batch(
-                    [WorkItem(1, first, [1])], vocab_size=cfg.vocab_size,
+                    [WorkItem(1, first, [1], slots=[1])], vocab_size=cfg.vocab_size,
                     max_context_len=e.max_context_len, forward_mode=mode, num_requests=1,
                     num_tokens=tokens, kv_width=W, max_extend_len=Q,
                     snapshot_chunk=e.scheduler.chunk_size)

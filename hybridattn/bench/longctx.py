@@ -122,7 +122,7 @@ def _precompile_longctx(engine, prompt_len: int, new_tokens: int) -> None:
             continue
         done.add((mode, B, T, W, Q))
         batch = make_worker_batch(
-            [WorkItem(row, start, [1] * n)], vocab_size=e.config.vocab_size,
+            [WorkItem(row, start, [1] * n, slots=[1] * n)], vocab_size=e.config.vocab_size,
             max_context_len=e.max_context_len, forward_mode=mode, num_requests=B, num_tokens=T,
             kv_width=W, max_extend_len=Q, snapshot_chunk=e.scheduler.chunk_size)
         r = e.core.runner

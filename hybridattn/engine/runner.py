@@ -492,6 +492,12 @@ class Runner:
         if self.sharded is not None:
             return
         for r in done:
+            # Safe only because a run dispatched behind a request that finishes now runs it as
+            # padding: a stop token (``_follow``), or its length (left out: ``_continuation``).
+            # A finish the device cannot see would have it claim slots given back here.
+            if r.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"request {r.rid} finished at a commit with "
+                                   f"{r.finish_reason!r}, which a run in flight cannot see")
             self.slots.give(r.row_slots[r.computed:])
             del r.row_slots[r.computed:]
 
@@ -562,8 +568,9 @@ class Runner:
             snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
             state = self.call(self.jit.release, self.state, jnp.asarray(rows),
                                keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
-        for r in done:  # what the row owns (past what it borrows, up to what a cache keeps)
-            self.slots.give(r.row_slots[r.row_borrowed: r.keep_from])
+        # what the rows own (past what they borrow, up to what a cache keeps), given back at
+        # once: a give that raised part way would leave the op queued with part of it done
+        self.slots.give([s for r in done for s in r.row_slots[r.row_borrowed: r.keep_from]])
         self.rows.give(r.row for r in done)
         return state
 

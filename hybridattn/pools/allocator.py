@@ -199,8 +199,11 @@ def claim(
     """
     n = allocator.free_slots.shape[0]
     slots = slots.astype(jnp.int32)
-    M = slots.shape[0]
     want = (slots != 0) if mask is None else mask
+    if slots.shape[0] == 1:  # one index alone is a dynamic update slice, which XLA:CPU does
+        # on a copy of the whole array (``indexing._two_or_more``): pad with one ignored entry
+        slots, want = jnp.concatenate([slots, slots * 0]), jnp.concatenate([want, want & False])
+    M = slots.shape[0]
     idx = jnp.clip(slots, 0, n)
     valid = jnp.all(~want | ((slots > 0) & (slots <= n) & ~allocator.in_use[idx]))
     named = jnp.sort(jnp.where(want, slots, -1 - jnp.arange(M, dtype=jnp.int32)))

@@ -114,7 +114,7 @@ class ModelWorkerBatch:
             restore_from=None,
             snapshots=None,
             out_cache_loc=None if self.out_cache_loc is None else jnp.zeros_like(
-                self.out_cache_loc),  # the host names the next step's slots
+                self.req_pool_indices),  # [B]: the host names the next step's slots
         )
 
 

@@ -145,7 +145,8 @@ def test_decode_flops_bound_xlas_count_of_the_engines_step():
                max_context_len=64, num_token_slots=65, prefix_cache=False, scan_layers=False)
     W = bucket(1, e.kv_buckets, "width")
     batch = make_worker_batch(
-        [WorkItem(1, 1, [1])], vocab_size=_CFG.vocab_size, max_context_len=e.max_context_len,
+        [WorkItem(1, 1, [1], slots=[1])], vocab_size=_CFG.vocab_size,
+        max_context_len=e.max_context_len,
         forward_mode=ForwardMode.DECODE, num_requests=1, num_tokens=1, kv_width=W,
         max_extend_len=1, snapshot_chunk=e.scheduler.chunk_size)
     cost = e.core.runner.jit.step.trace(e.params, e.state, batch).lower().compile().cost_analysis()

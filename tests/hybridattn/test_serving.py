@@ -857,13 +857,15 @@ def test_one_request_steps_without_copying_the_state_pool(scan):
                  num_snapshot_slots=9, scan_layers=scan)
     pools = (eng.state.recurrent_state_pool, eng.state.snapshot_pool)
     shapes = {f"f32[{','.join(map(str, a.shape))}]" for p in pools for a in (p.ssm, p.conv)}
+    # and the token allocator the step claims the named slots from (free stack, stack_pos)
+    shapes |= {f"s32[{n}]" for n in (16 * 128, 16 * 128 + 1)} | {f"pred[{16 * 128 + 1}]"}
     W = 128
-    for mode, item, snaps in (
-            (ForwardMode.DECODE, S.WorkItem(1, 1, [1]), None),
-            (ForwardMode.EXTEND, S.WorkItem(1, 0, [1] * 16), None),
+    for mode, item, snaps in (  # as the engine packs them: the slots named
+            (ForwardMode.DECODE, S.WorkItem(1, 1, [1], slots=[7]), None),
+            (ForwardMode.EXTEND, S.WorkItem(1, 0, [1] * 16, slots=range(1, 17)), None),
             # a cache hit: restores a snapshot, takes one
             (ForwardMode.EXTEND, S.WorkItem(1, 64, [1] * 16, restore_from=2,
-                                            snapshots=((72, 5),)), 1)):
+                                            snapshots=((72, 5),), slots=range(1, 17)), 1)):
         tokens = len(item.token_ids)
         batch = S.make_worker_batch(
             [item], vocab_size=cfg.vocab_size, max_context_len=eng.max_context_len,
