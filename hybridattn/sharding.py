@@ -73,7 +73,7 @@ from hybridattn.models.kimi_linear.partitioning import (
     param_specs,
     stacked_param_specs,
 )
-from hybridattn.pools import alloc_reqs
+from hybridattn.pools import alloc_reqs, claim_reqs
 
 __all__ = [
     "MeshComm",
@@ -384,6 +384,21 @@ class ShardedStep:
         new, (rows, ok) = self._map(fn, state, counts, key=("alloc", width))
         ok, rows = np.asarray(ok), np.asarray(rows)
         return new, [rows[k, : counts[k]].tolist() if ok[k] else [] for k in range(self.data)], ok
+
+    def claim_rows(self, state, rows_per_shard: Sequence[Sequence[int]]):
+        """Claim the local rows a host names on each data shard (``pools.claim_reqs``; the
+        host owns the ids): ``(state, ok)``, ``ok [D]`` left on the device, False where a
+        shard refused (a row in use or out of range; that shard then changed nothing)."""
+        width = max(max((len(r) for r in rows_per_shard), default=1), 1)
+        rows = np.zeros((self.data, width), np.int32)
+        for k, r in enumerate(rows_per_shard):
+            rows[k, : len(r)] = r
+
+        def fn(local, r):
+            pool, ok = claim_reqs(local.req_to_token_pool, r)
+            return local.replace(req_to_token_pool=pool), ok
+
+        return self._map(fn, state, rows, key=("claim", width))
 
     def release(self, state, rows_per_shard: Sequence[Sequence[int]]):
         """Free the given local rows (and their token and state slots) on each data shard."""

@@ -129,12 +129,15 @@ def assert_whole(eng: Engine) -> None:
     frees them all: nothing leaked."""
     assert eng.num_free_slots + eng.num_cached_slots == eng.capacity
     runner = eng.core.runner
-    if runner.sharded is None and runner.inflight is None:  # the host owns the ids: the
-        for ids, allocator in ((runner.slots, eng.state.token_allocator),  # device agrees
+    if runner.inflight is None:  # the host owns the ids: each shard's device agrees
+        for ids, allocator in ((runner.slots, eng.state.token_allocator),
                                (runner.rows, eng.state.req_to_token_pool.allocator)):
-            free = np.asarray(allocator.free_slots)[: int(allocator.num_free)].tolist()
-            assert sorted(free) == sorted(ids)
-            assert set(np.flatnonzero(np.asarray(allocator.in_use)).tolist()).isdisjoint(ids)
+            stacks = np.asarray(allocator.free_slots).reshape(len(ids), -1)
+            counts = np.asarray(allocator.num_free).reshape(-1)
+            used = np.asarray(allocator.in_use).reshape(len(ids), -1)
+            for k, host in enumerate(ids):
+                assert sorted(stacks[k, : counts[k]].tolist()) == sorted(host)
+                assert set(np.flatnonzero(used[k]).tolist()).isdisjoint(host)
     if not eng.has_unfinished():
         eng.reset_cache()
         assert eng.num_free_slots == eng.capacity

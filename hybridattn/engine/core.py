@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
@@ -172,11 +171,9 @@ class Core:
             self._emit = _nowhere
 
     def num_free_slots(self) -> int:
-        """Token slots neither held by a request nor by the prefix cache: the host's count on
-        one device (it owns the ids); under a mesh a device read, summed over data shards."""
-        if self.runner.sharded is None:
-            return len(self.runner.slots)
-        return int(np.sum(self.runner.state.token_allocator.num_free))
+        """Token slots neither held by a request nor by the prefix cache, summed over data
+        shards: the host's count (it owns the ids)."""
+        return sum(map(len, self.runner.slots))
 
     def reset_cache(self) -> None:
         """Evict every cached prefix and snapshot no running request holds."""
@@ -441,7 +438,7 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
                     request_buckets=buckets.request, kv_buckets=buckets.kv,
                     chunk_size=opts.chunk_size, decode_steps=opts.decode_steps,
                     prefix_cache=sizes.num_snapshot_slots > 0, stats=EngineStats(),
-                    sharded=sharded)
+                    sharded=sharded, shard_token_slots=sizes.shard_capacity + 1)
     return Core(scheduler, runner, overlap=opts.overlap, memory=memory,
                 capacity=D * sizes.shard_capacity, shard_capacity=sizes.shard_capacity,
                 buckets=buckets, opts=opts)

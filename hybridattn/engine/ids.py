@@ -1,11 +1,12 @@
 """The ids the host owns on the engine path: request rows and token slots.
 
 The engine picks every row and token slot itself, from an :class:`IdPool` (plain Python, no
-device read), and names them to the device: admission claims the row
-(``pools.claim_reqs``), a step claims the token slots its batch names
-(``ModelWorkerBatch.out_cache_loc``). The device's allocators only check and record the
-claims (an id in use fails the step's ``ok``), so the host never replays them; the device
-allocator still picks ids for users who drive ``step`` in their own loops.
+device read; under a mesh one per data shard, of its local ids), and names them to the
+device: admission claims the row (``pools.claim_reqs``; ``ShardedStep.claim_rows``), a step
+claims the token slots its batch names (``ModelWorkerBatch.out_cache_loc``). The device's
+allocators only check and record the claims (an id in use fails the step's ``ok``), so the
+host never replays them; the device allocator still picks ids for users who drive ``step``
+in their own loops.
 
 Which slots a row holds is the host's list ``Request.row_slots`` (position by position, as
 the device's ``req_to_token`` will hold them once every run dispatched so far has run): a

@@ -5,9 +5,9 @@ dispatched, the device ops carried out, and what a run hands back.
 the step with its state donated, the multi-step decode, row allocation, release, prefix
 borrowing, slot frees, ``_follow``), or under a mesh the engine's ``sharding.ShardedStep``.
 ``launch`` packs a ``StepPlan`` to its buckets and dispatches it, returning a ``Run`` whose
-outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them. On one
-device the runner owns the request rows and token slots (``hybridattn.engine.ids``): it
-names them to the device, which claims them.
+outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them. The
+runner owns the request rows and token slots (``hybridattn.engine.ids``; under a mesh each
+data shard's local ids): it names them to the device, which claims them.
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None,
     return out
 
 
-def shard_items(plan: ShardedPlan) -> list[list[WorkItem]]:
-    """Each data shard's work as ``WorkItem``\\ s (local rows), for
-    ``ShardedStep.make_batch``."""
-    return [[] if p is None else work_items(p) for p in plan.plans]
+def shard_items(plan: ShardedPlan, slots: Sequence | None = None) -> list[list[WorkItem]]:
+    """Each data shard's work as ``WorkItem``\\ s (local rows; with ``slots``, shard ``k``'s
+    named token slots ``slots[k]``), for ``ShardedStep.make_batch``."""
+    return [[] if p is None else work_items(p, None if slots is None else slots[k])
+            for k, p in enumerate(plan.plans)]
 
 
 def _admit_with_prefix(state: ServingState, rows, lens, slots, computed):
@@ -270,10 +271,10 @@ class Run:
 
 class Runner:
     """One engine's device side: the pools (``state``), the parameters, the jitted calls and
-    the run in flight (see the module docstring). On one device it owns the request rows
-    (``rows``) and token slots (``slots``), ``hybridattn.engine.ids.IdPool``\\ s: the device
-    claims what the host names, and ``check_rows`` reads the row claims' flags at the next
-    commit.
+    the run in flight (see the module docstring). It owns the request rows (``rows``) and
+    token slots (``slots``): one ``hybridattn.engine.ids.IdPool`` of each per data shard. The
+    device claims what the host names, and ``check_rows`` reads the row claims' flags at the
+    next commit.
 
     ``stats`` is the engine's ``EngineStats``: ``call`` adds the compilations it needed.
 
@@ -285,7 +286,7 @@ class Runner:
     >>> opts = EngineOptions(max_running_requests=2, max_context_len=16,
     ...                      num_token_slots=33).resolved(cfg)
     >>> runner = build_core(cfg, kimi_linear.init_params(cfg, jax.random.key(0)), opts).runner
-    >>> runner.compilations(), len(runner.rows), len(runner.slots), runner.inflight is None
+    >>> runner.compilations(), len(runner.rows[0]), len(runner.slots[0]), runner.inflight is None
     (0, 2, 32, True)
     """
 
@@ -293,7 +294,8 @@ class Runner:
                  max_context_len: int, max_running_requests: int, num_data_shards: int,
                  request_buckets: Sequence[int], kv_buckets: Sequence[int],
                  chunk_size: int | None, decode_steps: int, prefix_cache: bool,
-                 stats: EngineStats, sharded: sharding.ShardedStep | None = None):
+                 stats: EngineStats, sharded: sharding.ShardedStep | None = None,
+                 shard_token_slots: int | None = None):
         self.config, self.params, self.state = config, params, state
         self.max_context_len = max_context_len
         self.max_running_requests = max_running_requests
@@ -305,11 +307,10 @@ class Runner:
         self.jit = _Compiled()  # this engine's own compilations
         self.sharded = sharded  # under a mesh: this engine's own ShardedStep
         self.inflight: Run | None = None  # a step not committed yet (overlap)
-        # the ids the host owns on one device (under a mesh each shard allocates its own)
-        self.rows = self.slots = None
-        if sharded is None:
-            self.rows = IdPool(max_running_requests + 1, "request rows")
-            self.slots = IdPool(state.token_allocator.num_slots, "token slots")
+        # the ids the host owns, per data shard (local ids; one shard on one device)
+        D, S = num_data_shards, shard_token_slots or state.token_allocator.num_slots
+        self.rows = [IdPool(max_running_requests // D + 1, "request rows") for _ in range(D)]
+        self.slots = [IdPool(S, "token slots") for _ in range(D)]
         self._row_checks: list = []  # (row, ok) of row claims not checked yet
 
     def compilations(self) -> int:
@@ -329,8 +330,8 @@ class Runner:
 
     def packed(self, plan: StepPlan | ShardedPlan, slots=None) -> tuple[Any, Any]:
         """The jitted step that runs ``plan`` and its batch (with ``slots``, the token slots
-        named per work item), packed on the host to the plan's buckets: ``self.call(fn,
-        self.params, self.state, batch)`` runs it."""
+        named per work item; under a mesh per shard), packed on the host to the plan's
+        buckets: ``self.call(fn, self.params, self.state, batch)`` runs it."""
         B, T, W, Q = plan.buckets
         shape = dict(vocab_size=self.config.vocab_size, max_context_len=self.max_context_len,
                      forward_mode=ForwardMode(plan.mode), num_requests=B, num_tokens=T, kv_width=W,
@@ -339,7 +340,7 @@ class Runner:
         if self.sharded is None:
             return self.jit.step, make_worker_batch(work_items(plan, slots), **shape)
         # one work list per data shard, one step for all of them
-        return self.sharded, self.sharded.make_batch(shard_items(plan), **shape)
+        return self.sharded, self.sharded.make_batch(shard_items(plan, slots), **shape)
 
     def stop_ids(self, plan: StepPlan, only: Collection[Request] | None = None) -> np.ndarray:
         """Each work item's stop ids ``[B, S]`` (with ``only``, those requests' alone),
@@ -381,28 +382,36 @@ class Runner:
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self.compilations()
         t_pack = time.perf_counter()
-        named = self.name_slots(plan, limits) if self.sharded is None else ()
+        if self.sharded is None:
+            named = self.name_slots(plan, limits)
+            flat = named
+        else:  # each shard names its own (local) slots
+            named = [[] if p is None else self.name_slots(p, None, k)
+                     for k, p in enumerate(plan.plans)]
+            flat = [ss for per in named for ss in per]  # plan.work's order: shard by shard
         try:
             run = self._dispatch(plan, limits, follow, named)
         except BaseException:  # nothing was dispatched: the slots are free again
-            if named:
-                self.slots.give(s for ss in named for s in ss if s)
+            for (r, _), ss in zip(plan.work, flat, strict=True):
+                self.slots[r.shard].give(s for s in ss if s)
             raise
-        for (r, _), ss in zip(plan.work if named else (), named, strict=False):
+        for (r, _), ss in zip(plan.work, flat, strict=True):
             r.row_slots.extend(s for s in ss if s)  # (0: a position the row holds)
         tokens, ok, prev = run
         t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
         # the device had nothing queued while this run was planned, unless the run before
         # it was still computing when it was dispatched
         busy = prev is not None and not prev.tokens.is_ready()
-        return Run(plan, limits, tokens, ok, named, key, self.compilations() > traces,
+        return Run(plan, limits, tokens, ok, flat, key, self.compilations() > traces,
                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
                    follow.fed if follow is not None else ())
 
-    def name_slots(self, plan: StepPlan, limits: list[int] | None) -> list[list[int]]:
-        """The token slots a run of ``plan`` writes, per work item, taken from ``slots``: one
-        per token at a position past what the row holds (``Request.row_slots``; a position
-        the row borrows gets 0), or with ``limits`` one per step it may run."""
+    def name_slots(self, plan: StepPlan, limits: list[int] | None,
+                   shard: int = 0) -> list[list[int]]:
+        """The token slots a run of ``plan`` writes, per work item, taken from ``shard``'s
+        ``slots``: one per token at a position past what the row holds
+        (``Request.row_slots``; a position the row borrows gets 0), or with ``limits`` one
+        per step it may run."""
         need = []
         for j, (r, toks) in enumerate(plan.work):
             if limits is not None:
@@ -411,7 +420,7 @@ class Runner:
             at = r.computed + (plan.ahead[j] if plan.ahead else 0)
             held = min(max(len(r.row_slots) - at, 0), len(toks))  # borrowed positions
             need.append((held, len(toks) - held))
-        taken = self.slots.take(sum(n for _, n in need))
+        taken = self.slots[shard].take(sum(n for _, n in need))
         named, i = [], 0
         for held, n in need:
             named.append([0] * held + taken[i: i + n])
@@ -421,7 +430,7 @@ class Runner:
     def _dispatch(self, plan, limits, follow, named):
         """Pack and dispatch (``launch``): ``(tokens, ok, run before)``, on the device."""
         if limits is None:
-            fn, batch = self.packed(plan, named or None)
+            fn, batch = self.packed(plan, named)
             rest = ()
         else:
             fn, (batch, *rest) = self.packed_decode(plan, limits, named)
@@ -440,31 +449,26 @@ class Runner:
         return tokens, ok, prev
 
     def admit_row(self, adm: Admission) -> int:
-        """Allocate the admitted request's row on the device; with a cache hit the row also
-        borrows the matched KV and records the restored depth. Returns the row."""
-        if self.sharded is not None:  # a local row of the request's data shard
-            counts = [int(k == adm.req.shard) for k in range(self.num_data_shards)]
-            new, rows, oks = self.call(self.sharded.try_alloc_rows, self.state, counts)
-            rows, ok = rows[adm.req.shard] or [0], oks[adm.req.shard]
-        else:
-            # The host names the row, so nothing is read back (with a step in flight a read
-            # would wait for it); the device's claim is checked at the next commit.
-            [row] = self.rows.take(1)
-            try:
-                self.state, ok = self._claim_row(adm, row)
-            except BaseException:
-                self.rows.give([row])
-                raise
-            self._row_checks.append((row, ok))
-            adm.req.row_slots, adm.req.row_borrowed = list(adm.slots), adm.borrowed
-            return row
-        self.state = new
-        if not bool(ok):  # cannot happen while the host counts agree with the pool
-            raise RuntimeError("request-row allocation failed with rows counted free")
-        return int(rows[0])
+        """Name the admitted request's row (a local row of its data shard under a mesh) and
+        claim it on the device; with a cache hit the row also borrows the matched KV and
+        records the restored depth. Returns the row. Nothing is read back (with a step in
+        flight a read would wait for it): the claim is checked at the next commit."""
+        shard = adm.req.shard
+        [row] = self.rows[shard].take(1)
+        try:
+            self.state, ok = self._claim_row(adm, row)
+        except BaseException:
+            self.rows[shard].give([row])
+            raise
+        self._row_checks.append((row, ok, shard))
+        adm.req.row_slots, adm.req.row_borrowed = list(adm.slots), adm.borrowed
+        return row
 
     def _claim_row(self, adm: Admission, row: int) -> tuple[ServingState, Any]:
         """Claim ``row`` on the device for ``adm`` (borrowing its cached prefix, if any)."""
+        if self.sharded is not None:  # ok [D]
+            return self.call(self.sharded.claim_rows, self.state, [
+                [row] if k == adm.req.shard else [] for k in range(self.num_data_shards)])
         rows = jnp.asarray([row], jnp.int32)
         if not self.prefix_cache:
             pool, ok = self.call(self.jit.claim_row, self.state.req_to_token_pool, rows)
@@ -480,8 +484,8 @@ class Runner:
         """The device claimed every row the host named (read at a commit, when the flags are
         ready); a refusal cannot happen and raises."""
         checks, self._row_checks = self._row_checks, []
-        for row, ok in checks:
-            if not bool(np.asarray(ok)):
+        for row, ok, shard in checks:
+            if not bool(np.asarray(ok).reshape(-1)[shard if self.sharded else 0]):
                 raise RuntimeError(f"the device refused request row {row}, which the host "
                                    "holds free")
 
@@ -489,8 +493,6 @@ class Runner:
         """``done`` finished in the commit now: the slots named for positions they will not
         run (the rest of a multi-step decode, a step dispatched behind them, in which they
         are padding) are free again."""
-        if self.sharded is not None:
-            return
         for r in done:
             # Safe only because a run dispatched behind a request that finishes now runs it as
             # padding: a stop token (``_follow``), or its length (left out: ``_continuation``).
@@ -498,7 +500,7 @@ class Runner:
             if r.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"request {r.rid} finished at a commit with "
                                    f"{r.finish_reason!r}, which a run in flight cannot see")
-            self.slots.give(r.row_slots[r.computed:])
+            self.slots[r.shard].give(r.row_slots[r.computed:])
             del r.row_slots[r.computed:]
 
     def flush_ops(self, sched) -> None:
@@ -515,7 +517,7 @@ class Runner:
                 slots = np.zeros(n, np.int32)
                 slots[: len(op.slots)] = op.slots
                 self.state = self.call(self.jit.free_tokens, self.state, jnp.asarray(slots))
-                self.slots.give(op.slots)
+                self.slots[0].give(op.slots)  # (the prefix cache: one device)
             elif isinstance(op, Borrow):
                 W = bucket(len(op.slots), self.kv_buckets, "cached prompt")
                 slots = np.zeros((1, W), np.int32)
@@ -542,6 +544,7 @@ class Runner:
                 rows[r.shard].append(r.row)
         self.state = self.call(self.sharded.release, self.state,
                                 [r + [0] * (R - len(r)) for r in rows])
+        self._give_back([r for op in ops for r in op.reqs])
         for op in ops:
             sched.op_done(op)
 
@@ -549,8 +552,9 @@ class Runner:
         """The row of ``r`` borrows ``slots`` now: the slots of its own they replace are free
         again (as ``serving.borrow_prefix`` frees them on the device)."""
         n, have = len(slots), r.row_slots
-        self.slots.give(old for p, (old, new) in enumerate(zip(have[:n], slots, strict=False))
-                        if p >= r.row_borrowed and old and old != new)
+        self.slots[r.shard].give(
+            old for p, (old, new) in enumerate(zip(have[:n], slots, strict=False))
+            if p >= r.row_borrowed and old and old != new)
         have[:n] = slots
         r.row_borrowed = max(r.row_borrowed, n)
 
@@ -568,11 +572,18 @@ class Runner:
             snaps[: len(done)] = [r.finish_slot if r.end_depth else 0 for r in done]
             state = self.call(self.jit.release, self.state, jnp.asarray(rows),
                                keep_from=jnp.asarray(keep), snapshot_slots=jnp.asarray(snaps))
-        # what the rows own (past what they borrow, up to what a cache keeps), given back at
-        # once: a give that raised part way would leave the op queued with part of it done
-        self.slots.give([s for r in done for s in r.row_slots[r.row_borrowed: r.keep_from]])
-        self.rows.give(r.row for r in done)
+        self._give_back(done)
         return state
+
+    def _give_back(self, done: Sequence[Request]) -> None:
+        """The released rows of ``done`` and the token slots they own (past what they borrow,
+        up to what a cache keeps), each shard's at once: a give that raised part way would
+        leave the release queued with part of it done."""
+        for k in range(self.num_data_shards):
+            mine = [r for r in done if r.shard == k]
+            self.slots[k].give([s for r in mine for s in r.row_slots[r.row_borrowed:
+                                                                       r.keep_from]])
+            self.rows[k].give(r.row for r in mine)
 
     def read_slots(self, req: Request, n: int) -> list[int]:
         """The token slots of the first ``n`` positions of ``req``'s row, from the host's copy

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_whole
 
 from hybridattn import mesh as MS
 from hybridattn import sharding as S
@@ -330,6 +331,7 @@ def test_engine_on_a_2x4_mesh_equals_the_unsharded_engine(engines):
                                      for i, n in enumerate(news)]
     assert eng.num_running == eng.num_waiting == 0
     assert eng.num_free_slots == eng.capacity  # every slot of both shards came back
+    assert_whole(eng)  # ... to the host, which owns the ids, and to each shard's allocator
     # one compilation per step bucket, plus the row allocation and the release
     s = eng.stats
     assert s.num_compilations <= len(s.buckets) + 2
@@ -363,6 +365,7 @@ def test_continuous_batching_on_a_2x4_mesh_equals_serving_alone(engines):
     for i in range(n):
         assert outs[i] == ref.generate([prompts[i]], int(news[i]), **kinds[i % 4])[0], i
     assert eng.num_free_slots == eng.capacity
+    assert_whole(eng)
 
 
 def test_engine_on_a_mesh_streams_aborts_and_generates(engines):
@@ -381,6 +384,7 @@ def test_engine_on_a_mesh_streams_aborts_and_generates(engines):
     assert [g for i, g in enumerate(got) if i != 3] == [w for i, w in enumerate(want) if i != 3]
     assert eng.generate(prompts[:3], 4) == [w[:4] for w in want[:3]]
     assert not eng.has_unfinished() and eng.num_free_slots == eng.capacity
+    assert_whole(eng)
 
 
 def test_engine_mesh_errors_name_the_value(params):
