@@ -68,10 +68,13 @@ class SnapshotSlots:
     ([1, 2], 1)
     >>> slots.give([2]); slots.take(5)  # fewer than asked when fewer are free
     [2, 3]
+
+    ``what`` names the ids in errors (any host-owned ids: ``hybridattn.engine.ids.IdPool``
+    keeps request rows and token slots on it).
     """
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, what: str = "snapshot slot"):
+        self.num_slots, self.what = num_slots, what
         self._free = list(range(num_slots - 1, 0, -1))  # the top of the stack is slot 1
         self._is_free = set(self._free)
 
@@ -94,10 +97,13 @@ class SnapshotSlots:
         return out
 
     def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots``; a slot that is free already, or out of range, is an error (a
-        bookkeeping bug: it would be handed out twice)."""
+        """Return ``slots``; a slot that is free already (or listed twice), or out of range,
+        is an error (a bookkeeping bug: it would be handed out twice) and returns none."""
+        slots = list(slots)
+        seen: set[int] = set()
         for s in slots:
-            if not 0 < s < self.num_slots or s in self._is_free:
-                raise ValueError(f"snapshot slot {s} is not in use")
-            self._free.append(s)
-            self._is_free.add(s)
+            if not 0 < s < self.num_slots or s in self._is_free or s in seen:
+                raise ValueError(f"{self.what} {s} is not in use")
+            seen.add(s)
+        self._free.extend(slots)
+        self._is_free.update(slots)

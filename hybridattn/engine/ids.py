@@ -17,18 +17,19 @@ hands a prefix cache), an eviction gives back what the cache held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from servecore.snapshots import SnapshotSlots
 
 __all__ = ["IdPool"]
 
 
-class IdPool:
+class IdPool(SnapshotSlots):
     """Free ids ``1 .. num_ids - 1`` (0 is the device's sink, never handed out), handed out
-    last-freed first. Taking more than are free, or giving back an id that is free, is a
-    ``RuntimeError`` naming ``what``: the engine's reservations make both impossible, so
-    either is a bug, caught where it happens.
+    last-freed first: the host free list of ``servecore.snapshots.SnapshotSlots``, taking
+    exactly what is asked. Taking more than are free is a ``RuntimeError``, giving back an id
+    that is free a ``ValueError``, each naming ``what``: the engine's reservations make both
+    impossible, so either is a bug, caught where it happens (and changes nothing).
 
-    >>> rows = IdPool(4, "request rows")
+    >>> rows = IdPool(4, "request row")
     >>> rows.take(2), len(rows)
     ([1, 2], 1)
     >>> rows.give([1]); sorted(rows)
@@ -36,18 +37,12 @@ class IdPool:
     >>> rows.give([3])
     Traceback (most recent call last):
     ...
-    RuntimeError: request rows: id 3 given back but it is free
+    ValueError: request row 3 is not in use
     """
-
-    def __init__(self, num_ids: int, what: str):
-        self.what = what
-        self._free = list(range(num_ids - 1, 0, -1))  # a stack: the next id is the last
-        self._used = bytearray(num_ids)  # 1 where handed out
-        self._used[0] = 1  # the sink is never free
 
     def __len__(self) -> int:
         """Ids free now."""
-        return len(self._free)
+        return self.num_free
 
     def __iter__(self):
         """The free ids (the next one handed out last)."""
@@ -55,24 +50,7 @@ class IdPool:
 
     def take(self, count: int) -> list[int]:
         """``count`` free ids, now handed out."""
-        if count > len(self._free):
-            raise RuntimeError(f"{self.what}: {count} ids needed, {len(self._free)} free "
-                               "(the reservation should have made room)")
-        if count <= 0:
-            return []
-        ids = self._free[-count:][::-1]
-        del self._free[-count:]
-        for i in ids:
-            self._used[i] = 1
-        return ids
-
-    def give(self, ids: Iterable[int]) -> None:
-        """Hand ``ids`` back (each must be handed out now)."""
-        ids = list(ids)
-        for n, i in enumerate(ids):
-            if not 0 < i < len(self._used) or not self._used[i]:
-                for j in ids[:n]:  # nothing changes
-                    self._used[j] = 1
-                raise RuntimeError(f"{self.what}: id {i} given back but it is free")
-            self._used[i] = 0
-        self._free.extend(reversed(ids))
+        if count > self.num_free:
+            raise RuntimeError(f"{self.what}: {count} ids needed, {self.num_free} free (the "
+                               "reservation should have made room)")
+        return super().take(count)

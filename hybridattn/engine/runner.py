@@ -309,8 +309,8 @@ class Runner:
         self.inflight: Run | None = None  # a step not committed yet (overlap)
         # the ids the host owns, per data shard (local ids; one shard on one device)
         D, S = num_data_shards, shard_token_slots or state.token_allocator.num_slots
-        self.rows = [IdPool(max_running_requests // D + 1, "request rows") for _ in range(D)]
-        self.slots = [IdPool(S, "token slots") for _ in range(D)]
+        self.rows = [IdPool(max_running_requests // D + 1, "request row") for _ in range(D)]
+        self.slots = [IdPool(S, "token slot") for _ in range(D)]
         self._row_checks: list = []  # (row, ok) of row claims not checked yet
 
     def compilations(self) -> int:
