@@ -274,6 +274,13 @@ class ShardedStep:
     def _shardings(self, tree_specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), tree_specs, is_leaf=_is_spec)
 
+    def abstract(self, state):
+        """``state``'s shapes (arrays or ``ShapeDtypeStruct``\\ s) as ``ShapeDtypeStruct``\\ s
+        placed as this step places them: what ``lower`` needs to compile the step before a
+        state exists."""
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            state, self._shardings(state_specs(state)))
+
     def _check_state(self, state):
         if state.mesh_shape != (self.data, self.tensor):
             raise ValueError(f"state.mesh_shape={state.mesh_shape}, expected "

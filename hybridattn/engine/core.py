@@ -43,7 +43,7 @@ import jax
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine.buckets import STOP_BUCKETS, StepBuckets
+from hybridattn.engine.buckets import STOP_BUCKETS, StepBuckets, bucket
 from hybridattn.engine.commit import (
     StatsClock,
     decode_run_steps,
@@ -53,9 +53,9 @@ from hybridattn.engine.commit import (
 )
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.plan import Mode, Request, ShardedPlan, StepPlan
-from hybridattn.engine.runner import Follow, Run, Runner
+from hybridattn.engine.runner import Follow, Run, Runner, largest_step_bytes
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
-from hybridattn.engine.sizing import MemoryReport, pool_sizes
+from hybridattn.engine.sizing import MemoryReport, PoolSizes, pool_sizes
 from hybridattn.engine.stats import EngineStats
 from hybridattn.models import kimi_linear
 from hybridattn.serving import ServingState
@@ -400,8 +400,13 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
         params = kimi_linear.stack_layers(params, config)
     if mesh is None:  # (kimi_linear.PARAM_RULES name the checkpoint's leaves)
         params = kimi_linear.serving_layout(params)
-    # Bytes per token and per request, read from the pools' own layout (shapes only).
-    sizes = pool_sizes(opts, config, sum(x.nbytes for x in jax.tree.leaves(params)))
+    sharded = None
+    if mesh is not None:
+        params = sharding.shard_params(params, config, mesh)  # a no-op if placed
+        sharded = sharding.ShardedStep(  # this engine's own
+            config, mesh, scan_layers=isinstance(params["model"]["layers"],
+                                                 kimi_linear.STACKED))
+    sizes, buckets, working = _sized(config, params, opts, sharded)
     state = ServingState.create(config, num_token_slots=sizes.num_token_slots,
                                 num_snapshot_slots=sizes.num_snapshot_slots,
                                 max_running_requests=sizes.rows, mesh=mesh,
@@ -410,18 +415,12 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
     memory = dataclasses.replace(
         sizes.unit, budget_bytes=sizes.budget_bytes, max_running_requests=sizes.rows,
         num_token_slots=sizes.num_token_slots, num_snapshot_slots=sizes.num_snapshot_slots,
-        pool_bytes=sum(x.nbytes for x in jax.tree.leaves(state)),
+        pool_bytes=sum(x.nbytes for x in jax.tree.leaves(state)), working_bytes=working,
         req_to_token_bytes=sum(x.nbytes for x in jax.tree.leaves(state.req_to_token_pool)))
     R = sizes.rows // D  # rows of one data shard (its batch's requests)
-    buckets = StepBuckets.of(
-        rows=R, chunked_prefill_size=opts.chunked_prefill_size,
-        max_context_len=opts.max_context_len, snapshot_interval=opts.snapshot_interval,
-        request=opts.request_buckets, token=opts.token_buckets, kv=opts.kv_buckets,
-        snapshot=opts.snapshot_buckets, sharded=mesh is not None)
     common = dict(max_running_requests=R, chunked_prefill_size=opts.chunked_prefill_size,
                   request_buckets=buckets.request, token_buckets=buckets.token,
                   kv_buckets=buckets.kv, chunk_size=opts.chunk_size)
-    sharded = None
     if mesh is None:
         scheduler = Scheduler(capacity=D * sizes.shard_capacity,
                               num_snapshot_slots=sizes.num_snapshot_slots,
@@ -429,16 +428,52 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
                               snapshot_buckets=buckets.snapshot, **common)
     else:
         scheduler = ShardedScheduler(D, capacity=sizes.shard_capacity, **common)
-        params = sharding.shard_params(params, config, mesh)  # a no-op if placed
-        sharded = sharding.ShardedStep(  # this engine's own
-            config, mesh, scan_layers=isinstance(params["model"]["layers"],
-                                                 kimi_linear.STACKED))
     runner = Runner(config, params, state, max_context_len=opts.max_context_len,
                     max_running_requests=sizes.rows, num_data_shards=D,
                     request_buckets=buckets.request, kv_buckets=buckets.kv,
                     chunk_size=opts.chunk_size, decode_steps=opts.decode_steps,
                     prefix_cache=sizes.num_snapshot_slots > 0, stats=EngineStats(),
-                    sharded=sharded, shard_token_slots=sizes.shard_capacity + 1)
+                    sharded=sharded, shard_token_slots=sizes.shard_capacity + 1,
+                    memory=memory)
     return Core(scheduler, runner, overlap=opts.overlap, memory=memory,
                 capacity=D * sizes.shard_capacity, shard_capacity=sizes.shard_capacity,
                 buckets=buckets, opts=opts)
+
+
+def _buckets(opts: EngineOptions, rows: int) -> StepBuckets:
+    """The step buckets of an engine whose data shards have ``rows`` request rows each."""
+    return StepBuckets.of(
+        rows=rows, chunked_prefill_size=opts.chunked_prefill_size,
+        max_context_len=opts.max_context_len, snapshot_interval=opts.snapshot_interval,
+        request=opts.request_buckets, token=opts.token_buckets, kv=opts.kv_buckets,
+        snapshot=opts.snapshot_buckets, sharded=opts.mesh is not None)
+
+
+def _sized(config: KimiLinearConfig, params: Any, opts: EngineOptions,
+           sharded: sharding.ShardedStep | None) -> tuple[PoolSizes, StepBuckets, int]:
+    """The pools (``sizing.pool_sizes``: bytes per token and per request read from the
+    pools' own layout) and step buckets of an engine, and the step working memory reserved.
+    With the token pool sized automatically, the largest prefill step is compiled first on
+    the shapes of the pools it would get (``runner.largest_step_bytes``; the engine reuses
+    that compilation when it runs that step) and its temporaries come out of the budget."""
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    D, L = opts.num_data_shards, opts.max_context_len
+    sizes = pool_sizes(opts, config, param_bytes)
+    buckets = _buckets(opts, sizes.rows // D)
+    if opts.num_token_slots is not None:  # the user sized the pool: nothing to reserve
+        return sizes, buckets, 0
+    state = jax.eval_shape(lambda: ServingState.create(
+        config, num_token_slots=sizes.num_token_slots, max_context_len=L,
+        num_snapshot_slots=sizes.num_snapshot_slots, max_running_requests=sizes.rows,
+        mesh=opts.mesh, dtype=opts.dtype, chunk_size=opts.chunk_size, seed=opts.seed))
+    T = buckets.token[-1]
+    M = buckets.snapshot[-1] if sizes.num_snapshot_slots else None
+    working = largest_step_bytes(
+        config, params, state, sharded, max_context_len=L, num_requests=buckets.request[-1],
+        num_tokens=T, kv_width=buckets.kv[-1], snapshot_chunk=opts.chunk_size,
+        max_extend_len=min(T, bucket(min(opts.chunked_prefill_size, L), buckets.token,
+                                     "extend")),
+        num_snapshots=None if M is None else (M, M))
+    final = pool_sizes(opts, config, param_bytes, working_bytes=working)
+    return final, (buckets if final.rows == sizes.rows else _buckets(opts, final.rows // D)), \
+        working

@@ -73,8 +73,8 @@ class Engine:
             pool is sized on its own (a pool smaller than one full context serves one request
             at a time, each prompt + generation within the pool).
         num_token_slots: MLA token slots; default: what ``mem_fraction`` of the available
-            memory (less the parameters, the ``req_to_token`` table and the KDA states) holds,
-            at most enough for every request at full context.
+            memory holds beside the parameters, tables, KDA states and the largest step's
+            working memory (compiled first), at most every request at full context.
         mem_fraction: the share of ``available_memory_bytes()`` the default pool may use.
         chunked_prefill_size: prompt tokens per step (long prompts span several steps);
             default ``default_chunked_prefill_size(max_context_len)``: 256, or 2048 past
@@ -164,7 +164,7 @@ class Engine:
     Attributes:
         state: the ``ServingState`` (pools) the steps update.
         stats: ``EngineStats``: throughput, TTFT, compilations and buckets.
-        memory: ``MemoryReport``: pool sizes and bytes per token of context.
+        memory: ``MemoryReport``: pool sizes, the steps' working memory and bytes per token.
         max_running_requests: requests that run at once (rows, state slots and token slots
             permitting), over all data shards.
         capacity: token slots for requests (the sinks excluded), over all data shards.

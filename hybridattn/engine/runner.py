@@ -36,6 +36,7 @@ from hybridattn.engine.plan import (
     ShardedPlan,
     StepPlan,
 )
+from hybridattn.engine.sizing import MemoryReport, step_working_bytes
 from hybridattn.engine.stats import EngineStats
 from hybridattn.pools import claim_reqs, free
 from hybridattn.serving import (
@@ -49,7 +50,7 @@ from hybridattn.serving import (
 )
 from hybridattn.serving.decode import _padding_unless
 
-__all__ = ["Follow", "Run", "Runner", "work_items"]
+__all__ = ["Follow", "Run", "Runner", "largest_step_bytes", "work_items"]
 
 
 def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None,
@@ -94,6 +95,32 @@ def _step_tokens(params, state: ServingState, batch):
     them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
     new, out = step(params, state, batch)
     return new, out._replace(logits=None)
+
+
+def largest_step_bytes(config: KimiLinearConfig, params: Any, state: Any,
+                       sharded: sharding.ShardedStep | None, **shape) -> int:
+    """XLA's temporaries of the engine's step (one prompt token in row 1, padded to the
+    buckets ``shape`` names, as ``Runner.packed`` packs it) over pools shaped like ``state``
+    (``ShapeDtypeStruct``\\ s will do): what the automatic sizer reserves for the largest
+    prefill step (``sizing.step_working_bytes``), before any pool exists.
+
+    >>> from hybridattn.models import kimi_linear
+    >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+    >>> state = jax.eval_shape(lambda: ServingState.create(
+    ...     cfg, max_running_requests=1, max_context_len=16, num_token_slots=17))
+    >>> params = kimi_linear.serving_layout(kimi_linear.init_params(cfg, jax.random.key(0)))
+    >>> largest_step_bytes(cfg, params, state, None, max_context_len=16, num_requests=1,
+    ...                    num_tokens=16, kv_width=16, max_extend_len=16) > 0
+    True
+    """
+    shape = dict(shape, vocab_size=config.vocab_size, forward_mode=ForwardMode.EXTEND)
+    item = [WorkItem(1, 0, [0])]
+    if sharded is None:
+        return step_working_bytes(jax.jit(_step_tokens, donate_argnums=1), params, state,
+                                  make_worker_batch(item, **shape))
+    items = [item] + [[] for _ in range(sharded.data - 1)]
+    return step_working_bytes(sharded, params, sharded.abstract(state),
+                              sharded.make_batch(items, **shape))
 
 
 def _decode_tokens(params, state: ServingState, batch, stop_token_ids, max_tokens, slots, *,
@@ -295,8 +322,9 @@ class Runner:
                  request_buckets: Sequence[int], kv_buckets: Sequence[int],
                  chunk_size: int | None, decode_steps: int, prefix_cache: bool,
                  stats: EngineStats, sharded: sharding.ShardedStep | None = None,
-                 shard_token_slots: int | None = None):
+                 shard_token_slots: int | None = None, memory: MemoryReport | None = None):
         self.config, self.params, self.state = config, params, state
+        self.memory = memory  # its working_bytes grows to cover every step compiled
         self.max_context_len = max_context_len
         self.max_running_requests = max_running_requests
         self.num_data_shards = num_data_shards
@@ -442,10 +470,17 @@ class Runner:
             stops = rest[0] if rest else jnp.asarray(self.stop_ids(plan, follow.fed))
             batch = self.call(self.jit.follow, batch, prev.tokens, jnp.asarray(cols),
                                jnp.asarray(last), stops)
+        before = self.compilations()
         if limits is None:
             self.state, out = self.call(fn, self.params, self.state, batch)
-            return out.next_token_ids, out.ok, prev
-        self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
+            tokens, ok = out.next_token_ids, out.ok
+        else:
+            self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
+        if self.compilations() > before and self.memory is not None:
+            # a new step executable: what it needs beside the pools (its compile is cached,
+            # so asking costs no compilation)
+            self.memory.working_bytes = max(self.memory.working_bytes, step_working_bytes(
+                fn, self.params, self.state, batch, *rest))
         return tokens, ok, prev
 
     def admit_row(self, adm: Admission) -> int:

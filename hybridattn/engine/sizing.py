@@ -1,9 +1,10 @@
 """How big an engine's pools are: a pure function of its options and the memory budget.
 
 ``pool_sizes`` splits ``mem_fraction`` of the available memory (less the parameters, the
-``req_to_token`` table and the working KDA states): a quarter to the prefix cache's state
-snapshots (unless their number is given), the rest to MLA token slots (at most every request
-at full context). ``MemoryReport`` says what the pools hold and what a token of context costs.
+``req_to_token`` table, the working KDA states and the largest step's working memory): a
+quarter to the prefix cache's state snapshots (unless their number is given), the rest to MLA
+token slots (at most every request at full context). ``MemoryReport`` says what the pools
+hold, what the steps need beside them and what a token of context costs.
 
 The defaults of the options themselves (``default_max_running_requests``, ...) are in
 ``hybridattn.engine.options``.
@@ -25,7 +26,8 @@ from hybridattn.serving import ServingState
 from servecore import memory as _memory
 from servecore.validate import check_int
 
-__all__ = ["MemoryReport", "PoolSizes", "available_memory_bytes", "pool_sizes"]
+__all__ = ["MemoryReport", "PoolSizes", "available_memory_bytes", "pool_sizes",
+           "step_working_bytes"]
 
 
 def available_memory_bytes() -> int:
@@ -37,6 +39,20 @@ def available_memory_bytes() -> int:
     True
     """
     return _memory.available_memory_bytes()
+
+
+def step_working_bytes(fn, *args) -> int:
+    """The temporaries XLA allocates while the jitted ``fn`` runs on ``args`` (arrays or
+    ``ShapeDtypeStruct``\\ s: nothing runs), beside its arguments and outputs: the working
+    memory of a step. Compiling here fills JAX's caches, so the step's first call with
+    arguments of these shapes does not compile again. 0 where the backend does not say.
+
+    >>> step_working_bytes(jax.jit(lambda x: (x @ x) @ x),  # x @ x is a temporary
+    ...                    jax.ShapeDtypeStruct((256, 256), jnp.float32)) >= 256 * 256 * 4
+    True
+    """
+    analysis = fn.lower(*args).compile().memory_analysis()
+    return 0 if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def _nbytes(x) -> int:
@@ -77,6 +93,16 @@ class MemoryReport:
     pool_bytes: int
     num_snapshot_slots: int = 0  # prefix-cache snapshot slots, the sink included
     req_to_token_bytes: int = 0  # the request table: (rows + 1) x max_context_len int32 + maps
+    # XLA's temporaries of the largest step (``step_working_bytes``; per device under a
+    # mesh): what the automatic sizer reserved, and at least what every step compiled so
+    # far needs
+    working_bytes: int = 0
+
+    @property
+    def serving_bytes(self) -> int:
+        """Every byte the engine holds for serving: pools, parameters and step working memory
+        (what ``budget_bytes`` must hold when the sizer chose the pools)."""
+        return self.pool_bytes + self.param_bytes + self.working_bytes
 
     @property
     def snapshot_bytes(self) -> int:
@@ -184,7 +210,8 @@ class MemoryReport:
             f"pools {self.pool_bytes / mib:.1f} MiB of a {self.budget_bytes / mib:.0f} MiB budget "
             f"(params {self.param_bytes / mib:.1f} MiB): {self.num_token_slots - 1} token slots, "
             f"{self.max_running_requests} requests x {self.max_context_len} context "
-            f"(req_to_token {self.req_to_token_bytes / mib:.1f} MiB)\n"
+            f"(req_to_token {self.req_to_token_bytes / mib:.1f} MiB); steps' working memory "
+            f"{self.working_bytes / mib:.1f} MiB\n"
             f"per token of context: {self.mla_bytes_per_token} B of MLA latent ("
             f"{self.mla_layers} MLA layers x {self.mla_bytes_per_token // max(self.mla_layers, 1)}"
             f" B) vs "
@@ -227,10 +254,11 @@ class PoolSizes:
 
 
 def pool_sizes(opts: EngineOptions, config: KimiLinearConfig, param_bytes: int,
-               available: int | None = None) -> PoolSizes:
-    """The pools of an engine with the (resolved) options ``opts`` and ``param_bytes`` of
-    parameters, from ``opts.mem_fraction`` of ``available`` bytes (default
-    ``available_memory_bytes()``); ``ValueError`` naming the option when they cannot fit.
+               available: int | None = None, working_bytes: int = 0) -> PoolSizes:
+    """The pools of an engine with the (resolved) options ``opts``, ``param_bytes`` of
+    parameters and steps that need ``working_bytes`` of temporaries, from
+    ``opts.mem_fraction`` of ``available`` bytes (default ``available_memory_bytes()``);
+    ``ValueError`` naming the option when they cannot fit.
 
     >>> from hybridattn.engine.options import EngineOptions
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
@@ -245,8 +273,9 @@ def pool_sizes(opts: EngineOptions, config: KimiLinearConfig, param_bytes: int,
                                       else available))
     unit = MemoryReport.for_config(config, num_token_slots=2, max_running_requests=R,
                                    max_context_len=L, dtype=opts.dtype, param_bytes=param_bytes)
-    # The budget, after the parameters and the working states, is split: a quarter to the
-    # prefix cache's snapshots (unless their number is given), the rest to token slots.
+    # The budget, after the parameters, the working states and the steps' temporaries, is
+    # split: a quarter to the prefix cache's snapshots (unless their number is given), the
+    # rest to token slots.
     snap_bytes = unit.state_bytes_per_request
     if unit.req_to_token_bytes > budget:
         raise ValueError(
@@ -254,7 +283,7 @@ def pool_sizes(opts: EngineOptions, config: KimiLinearConfig, param_bytes: int,
             f"no req_to_token table of max_running_requests={R} rows x max_context_len={L} "
             f"int32 positions ({unit.req_to_token_bytes} bytes): lower max_running_requests "
             f"(the default at this context is {default_max_running_requests(L)})")
-    left = budget - param_bytes - unit.req_to_token_bytes - (R + 1) * snap_bytes
+    left = budget - param_bytes - working_bytes - unit.req_to_token_bytes - (R + 1) * snap_bytes
     if not opts.prefix_cache:
         snap_share = 0
     elif opts.num_snapshot_slots is None:
@@ -263,8 +292,10 @@ def pool_sizes(opts: EngineOptions, config: KimiLinearConfig, param_bytes: int,
         snap_share = opts.num_snapshot_slots * snap_bytes
     num_token_slots = opts.num_token_slots
     if num_token_slots is None:
-        num_token_slots = _default_token_slots(opts, budget, left - snap_share,
-                                               unit.mla_bytes_per_token)
+        num_token_slots = _default_token_slots(
+            opts, budget, left - snap_share, unit.mla_bytes_per_token,
+            f"after {param_bytes} bytes of parameters and {working_bytes} of step working "
+            "memory")
     # Rows the token pool cannot fill at full context are not allocated (their
     # req_to_token rows and KDA states would sit idle); one row always, so a pool smaller
     # than one max_context_len serves one request at a time. Admission reserves each
@@ -278,7 +309,7 @@ def pool_sizes(opts: EngineOptions, config: KimiLinearConfig, param_bytes: int,
 
 
 def _default_token_slots(opts: EngineOptions, budget: int, share: int,
-                         bytes_per_token: int) -> int:
+                         bytes_per_token: int, spent: str) -> int:
     """The token slots ``share`` bytes hold, at most every request at full context: under a
     mesh the share is split evenly over the data shards, each with its own sink, and each
     shard's pool must hold one context."""
@@ -290,9 +321,10 @@ def _default_token_slots(opts: EngineOptions, budget: int, share: int,
             f"mem_fraction={opts.mem_fraction} of the available memory ({budget} bytes) "
             f"holds {max(per_shard - 1, 0)} token slots"
             + (f" per data shard (of {D})" if opts.mesh is not None else "")
-            + f", less than one max_context_len={L}: lower max_context_len, raise "
-            "mem_fraction, or give num_token_slots (a pool smaller than one context serves "
-            "prompts up to its size)")
+            + f" {spent}, less than one max_context_len={L}: lower max_context_len (or "
+            "chunked_prefill_size, which the working memory grows with), raise mem_fraction, "
+            "or give num_token_slots (a pool smaller than one context serves prompts up to its "
+            "size)")
     return per_shard * D
 
 

@@ -332,11 +332,16 @@ def test_soak_250_requests_with_sessions_tight_pools_and_both_evictions():
 def test_automatic_sizing_keeps_tokens_and_snapshots_within_the_budget(monkeypatch):
     import hybridattn.engine.sizing as E
 
-    monkeypatch.setattr(E, "available_memory_bytes", lambda: 3 << 20)  # 1.5 MiB budget
     for cache in (False, True):
-        eng = Engine(CFG, PARAMS, max_running_requests=4, max_context_len=96, prefix_cache=cache)
+        kw = dict(max_running_requests=4, max_context_len=96, prefix_cache=cache)
+        working = Engine(CFG, PARAMS, **kw).memory.working_bytes  # the largest step's
+        # a budget of 1.5 MiB beside the working memory
+        monkeypatch.setattr(E, "available_memory_bytes", lambda w=working: 2 * (w + (3 << 19)))
+        eng = Engine(CFG, PARAMS, **kw)
         m = eng.memory
-        assert m.pool_bytes + m.param_bytes <= 1.05 * m.budget_bytes  # the tables are extra
+        assert m.working_bytes == working
+        assert m.serving_bytes <= 1.05 * m.budget_bytes  # the tables are extra
+        monkeypatch.undo()
         if cache:
             assert m.num_snapshot_slots > 1
             assert (m.num_snapshot_slots - 1) * m.snapshot_bytes <= m.budget_bytes / 4
