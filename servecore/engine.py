@@ -45,16 +45,21 @@ _REQUIRED = object()
 
 class Event(NamedTuple):
     """One token of request ``rid`` (``token`` is None when the request ended without one:
-    it was aborted, or a round serving it failed with ``error``).
+    it was aborted, or a round serving it failed with ``error``). A request's first token
+    carries ``cached``: how many of its prompt tokens the prefix cache served (0 on a miss;
+    None on later tokens, and from a core that does not say).
 
     >>> Event(0, None, True, error=RuntimeError("step failed")).finished
     True
+    >>> Event(0, 17, False, cached=96).cached
+    96
     """
 
     rid: int
     token: int | None
     finished: bool
     error: BaseException | None = None
+    cached: int | None = None
 
 
 @runtime_checkable

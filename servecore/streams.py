@@ -160,6 +160,12 @@ class Streams:
         (``token`` None: the request ended without one, dropped by a failed round). A round
         that raises returns nothing: what it and earlier rounds made stays queued, and the
         next ``step`` returns it."""
+        return [(ev.rid, ev.token, ev.finished) for ev in self.step_events()]
+
+    def step_events(self) -> list[Event]:
+        """``step``, its tokens as the core's ``Event``\\ s (a request's first one says how
+        many prompt tokens the prefix cache served; a dropped request's last one names the
+        error): what a server needs beside the tokens."""
         with self._entered():
             self._round()
             events = list(self._steps)
@@ -167,7 +173,7 @@ class Streams:
             for ev in events:
                 if ev.finished:
                     self._delivered(ev.rid)
-            return [(ev.rid, ev.token, ev.finished) for ev in events]
+            return events
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` (waiting or running; what it holds is freed at once); its

@@ -363,8 +363,9 @@ class Core:
         self.clock.first_tokens(first, ready)
         s = self.stats
         s.snapshots_taken, s.state_evictions, s.token_evictions = sched.counters()
+        cached = {r.rid: r.start for r in first}  # the first token says what the cache served
         for rid, token, finished in events:
-            self._emit(Event(rid, token, finished))
+            self._emit(Event(rid, token, finished, cached=cached.pop(rid, None)))
         # the commit is hidden while the next run computes (if it is still computing)
         nxt = self.runner.inflight
         self.clock.host_time(run, prefill, t_wait, now,

@@ -330,7 +330,9 @@ class Runner:
     # ---------------------------------------------------------------- events ----
 
     def _report(self, job: Job, token: int) -> None:
-        self._emit(Event(job.rid, token, job.done))
+        # the first token says how many prompt tokens the prefix cache served
+        self._emit(Event(job.rid, token, job.done,
+                         cached=job.cached if len(job.output) == 1 else None))
 
     def _dropped(self, job: Job, error: BaseException) -> None:
         """Report ``job`` dropped by ``error`` (now inside a round, else at the next one)."""

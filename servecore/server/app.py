@@ -1,0 +1,277 @@
+"""``create_app``: the ASGI application (Starlette) over an engine.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``,
+``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET
+/health``, ``GET /metrics``. The engine runs on the ``EngineWorker``'s thread; the event loop
+parses, validates, queues and writes.
+
+A generation's answer (``Answer``) is an ASGI response that watches its client while it
+works: the moment the client's connection closes (``http.disconnect``: during the prefill,
+between tokens, streaming or not) it stops and the worker aborts the requests, instead of
+finding out when a write fails. Every error is an ``APIError`` rendered in the shape of the
+API the route speaks; a fault inside a handler is a 500 and the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from servecore.server import anthropic_api, openai_api
+from servecore.server.errors import APIError
+from servecore.server.fields import parse_json
+from servecore.server.formats import ChatFormat, CompletionFormat, MessagesFormat
+from servecore.server.generation import ACCEPTED, KEEPALIVE, Ask, Usage, pieces
+from servecore.server.metrics import Metrics
+from servecore.server.worker import EngineWorker
+
+__all__ = ["Server", "create_app"]
+
+log = logging.getLogger("servecore.server")
+
+
+class Server:
+    """What the routes share: the engine's worker, its tokenizer and EOS ids, the served
+    model's name, the metrics and the options (``max_queue``: requests that may wait for a
+    first token; ``keepalive``: seconds between keep-alive comments while a stream waits)."""
+
+    def __init__(self, engine: Any, *, model_name: str, max_queue: int = 256,
+                 keepalive: float = 10.0):
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.vocab_size = engine.streams.build.vocab_size
+        self.eos = engine.streams.build.eos_ids
+        self.model_name, self.keepalive = model_name, keepalive
+        self.worker = EngineWorker(engine, max_waiting=max_queue)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def check_model(self, body: Any) -> None:
+        """404 unless the body asks for the served model."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist here: this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+
+def _shape(path: str, e: APIError) -> dict[str, Any]:
+    return e.anthropic() if path.startswith("/v1/messages") else e.openai()
+
+
+class Answer:
+    """The ASGI response of one generation (see the module docstring)."""
+
+    def __init__(self, server: Server, route: str, ask: Ask, fmt: Any):
+        self.server, self.route, self.ask, self.fmt = server, route, ask, fmt
+        self.usage = Usage()
+        self.t0 = time.perf_counter()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        producer = asyncio.ensure_future(self._produce(send))
+        watcher = asyncio.ensure_future(_disconnect(receive))
+        done, _ = await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if producer in done:
+            watcher.cancel()
+            producer.result()
+            return
+        producer.cancel()  # the client left: the generation's cleanup cancels its requests
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await producer
+        self.server.metrics.disconnected()
+        self.server.metrics.request(self.route, 499)
+
+    def _pieces(self):
+        s = self.server
+        return pieces(s.worker, self.ask, s.tokenizer, s.eos, self.usage, s.keepalive)
+
+    async def _produce(self, send: Any) -> None:
+        if self.ask.stream:
+            await self._stream(send)
+            return
+        n = self.ask.num_choices
+        texts, finish, stops = [""] * n, [None] * n, [None] * n
+        try:
+            async for p in self._pieces():
+                if p is ACCEPTED or p is KEEPALIVE:
+                    continue
+                texts[p.index] += p.text
+                if p.finish_reason is not None:
+                    finish[p.index], stops[p.index] = p.finish_reason, p.stop
+        except APIError as e:
+            await self._send_json(send, e.status, self.fmt.error(e))
+            return
+        await self._send_json(send, 200, self.fmt.complete(texts, finish, stops, self.usage))
+        self._done()
+
+    async def _stream(self, send: Any) -> None:
+        it = self._pieces().__aiter__()
+        early = []
+        try:
+            while (p := await it.__anext__()) is not ACCEPTED:
+                if p is not KEEPALIVE:
+                    early.append(p)  # a token before every prompt was accepted
+        except APIError as e:
+            await self._send_json(send, e.status, self.fmt.error(e))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        try:
+            await self._write(send, self.fmt.head())
+            for p in early:
+                await self._write(send, self.fmt.piece(p, self.usage))
+            async for p in it:
+                if p is KEEPALIVE:
+                    await self._write(send, [self.fmt.keepalive])
+                elif p is not ACCEPTED:
+                    await self._write(send, self.fmt.piece(p, self.usage))
+            await self._write(send, self.fmt.tail(self.usage))
+            self._done()
+        except APIError as e:  # after the headers: an error event ends the stream
+            self.server.metrics.request(self.route, e.status)
+            await self._write(send, self.fmt.stream_error(e))
+        finally:
+            await it.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _write(self, send: Any, events: list[bytes]) -> None:
+        if events:
+            await send({"type": "http.response.body", "body": b"".join(events),
+                        "more_body": True})
+
+    async def _send_json(self, send: Any, status: int, body: Any) -> None:
+        raw = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        if status != 200:
+            self.server.metrics.request(self.route, status)
+
+    def _done(self) -> None:
+        m, u = self.server.metrics, self.usage
+        m.request(self.route, 200)
+        m.add_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        if u.ttft is not None:
+            m.observe_ttft(u.ttft)
+        m.observe_latency(time.perf_counter() - self.t0)
+
+
+async def _disconnect(receive: Any) -> None:
+    """Return when the client's connection closes."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _body(server: Server, request: Request) -> Any:
+    body = parse_json(await request.body())
+    server.check_model(body)
+    return body
+
+
+def _routes(server: Server) -> list[Route]:
+    s = server
+
+    async def chat(request: Request) -> Any:
+        body = await _body(s, request)
+        ask = openai_api.parse_chat(body, s.tokenizer, vocab_size=s.vocab_size)
+        return Answer(s, "/v1/chat/completions", ask,
+                      ChatFormat(s.model_name, ask.n, ask.include_usage))
+
+    async def completions(request: Request) -> Any:
+        body = await _body(s, request)
+        ask = openai_api.parse_completion(body, s.tokenizer, vocab_size=s.vocab_size)
+        return Answer(s, "/v1/completions", ask,
+                      CompletionFormat(s.model_name, ask.n, ask.include_usage))
+
+    async def messages(request: Request) -> Any:
+        body = await _body(s, request)
+        ask = anthropic_api.parse_messages(body, s.tokenizer, vocab_size=s.vocab_size)
+        return Answer(s, "/v1/messages", ask, MessagesFormat(s.model_name))
+
+    async def count_tokens(request: Request) -> Response:
+        body = await _body(s, request)
+        n = anthropic_api.parse_count_tokens(body, s.tokenizer, vocab_size=s.vocab_size)
+        s.metrics.request("/v1/messages/count_tokens", 200)
+        return JSONResponse({"input_tokens": n})
+
+    def model_card() -> dict[str, Any]:
+        return {"id": s.model_name, "object": "model", "created": s.created,
+                "owned_by": "servecore"}
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        s.check_model({"model": name})
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        alive = s.worker._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine thread stopped",
+                             "waiting": s.worker.waiting, "running": s.worker.running},
+                            status_code=200 if alive else 503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(s.metrics.render(
+            waiting=s.worker.waiting, running=s.worker.running,
+            engine_stats=getattr(s.engine, "stats", None)),
+            media_type="text/plain; version=0.0.4")
+
+    return [Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"])]
+
+
+def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
+               keepalive: float = 10.0) -> Starlette:
+    """The server's ASGI application over ``engine`` (a ``hybridattn.Engine`` or
+    ``mlxcache.Engine`` with a tokenizer, or anything with ``streams`` and ``tokenizer``). Its
+    lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both);
+    ``app.state.server`` is the ``Server``."""
+    server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive)
+
+    async def api_error(request: Request, e: APIError) -> Response:
+        if e.status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, e.message)
+        server.metrics.request(request.url.path, e.status)
+        return JSONResponse(_shape(request.url.path, e), status_code=e.status)
+
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        what = ("no route" if e.status_code == 404 else "method not allowed")
+        return await api_error(request, APIError(
+            e.status_code, f"{what}: {request.method} {request.url.path}"))
+
+    async def fault(request: Request, e: Exception) -> Response:
+        log.exception("a fault serving %s %s", request.method, request.url.path)
+        return await api_error(request, APIError(500, f"internal error: {e!r}"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
+
+    app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
+        APIError: api_error, HTTPException: http_error, Exception: fault})
+    app.state.server = server
+    return app

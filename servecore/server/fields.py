@@ -1,0 +1,142 @@
+"""``Fields``: a JSON request body read field by field, each refusal naming the field.
+
+Every field a route reads goes through one of its typed getters; ``finish`` then refuses the
+fields nobody read, so nothing a client sends is silently ignored. A field the server knows
+but does not implement is accepted only at its default (``unsupported``).
+
+>>> f = Fields({"max_tokens": 0, "temperature": 0.5, "tools": [], "frobnicate": 1})
+>>> f.number("temperature", 1.0, lo=0, hi=2)
+0.5
+>>> f.unsupported("tools", None, [])
+>>> f.integer("max_tokens", 16, lo=1)
+Traceback (most recent call last):
+...
+servecore.server.errors.APIError: max_tokens must be an integer >= 1, not 0
+>>> f.finish()
+Traceback (most recent call last):
+...
+servecore.server.errors.APIError: unrecognized request argument supplied: frobnicate
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from servecore.server.errors import APIError
+
+__all__ = ["Fields", "parse_json"]
+
+_MISSING = object()
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON of a request body, or a 400 saying why it is not JSON.
+
+    >>> parse_json(b'{"a": 1}')
+    {'a': 1}
+    """
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+class Fields:
+    """The fields of one JSON object (``what`` names it in errors; see the module
+    docstring)."""
+
+    def __init__(self, body: Any, what: str = "the request body", prefix: str = ""):
+        if not isinstance(body, dict):
+            raise APIError(400, f"{what} must be a JSON object, not {type(body).__name__}",
+                           param=prefix.rstrip(".") or None)
+        self.body, self.prefix, self.seen = body, prefix, set()
+
+    def has(self, name: str) -> bool:
+        """Whether the field is present and not null."""
+        return self.body.get(name) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The raw value (null reads as ``default``)."""
+        self.seen.add(name)
+        value = self.body.get(name, _MISSING)
+        return default if value is _MISSING or value is None else value
+
+    def fail(self, name: str, message: str) -> APIError:
+        """The 400 about field ``name``."""
+        return APIError(400, message, param=self.prefix + name)
+
+    def required(self, name: str) -> Any:
+        """The value of a field that must be there."""
+        value = self.get(name)
+        if value is None:
+            raise self.fail(name, f"{self.prefix}{name} is required")
+        return value
+
+    def integer(self, name: str, default: Any, *, lo: int | None = None,
+                hi: int | None = None, required: bool = False) -> Any:
+        """An integer field within ``[lo, hi]``."""
+        value = self.required(name) if required else self.get(name, default)
+        if value is default and not required:
+            return value
+        bound = " and ".join(b for b in (f">= {lo}" if lo is not None else "",
+                                         f"<= {hi}" if hi is not None else "") if b)
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or (lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise self.fail(name, f"{self.prefix}{name} must be an integer"
+                            + (f" {bound}" if bound else "") + f", not {value!r}")
+        return value
+
+    def number(self, name: str, default: float, *, lo: float, hi: float) -> float:
+        """A number field within ``[lo, hi]``."""
+        value = self.get(name, default)
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or not lo <= value <= hi):
+            raise self.fail(name, f"{self.prefix}{name} must be a number in [{lo}, {hi}], "
+                            f"not {value!r}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        """A true / false field."""
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise self.fail(name, f"{self.prefix}{name} must be true or false, not {value!r}")
+        return value
+
+    def string(self, name: str, default: Any = None, *, required: bool = False) -> Any:
+        """A string field."""
+        value = self.required(name) if required else self.get(name, default)
+        if value is not default and not isinstance(value, str):
+            raise self.fail(name, f"{self.prefix}{name} must be a string, not "
+                            f"{type(value).__name__}")
+        return value
+
+    def strings(self, name: str, *, most: int) -> list[str]:
+        """A string or a list of at most ``most`` strings (stop sequences)."""
+        value = self.get(name, [])
+        items = [value] if isinstance(value, str) else value
+        if (not isinstance(items, list) or len(items) > most
+                or not all(isinstance(s, str) and s for s in items)):
+            raise self.fail(name, f"{self.prefix}{name} must be a non-empty string or a list "
+                            f"of at most {most} non-empty strings, not {value!r}")
+        return items
+
+    def unsupported(self, name: str, *defaults: Any) -> None:
+        """A field this server does not implement: absent, null or one of ``defaults``."""
+        value = self.get(name)
+        if value is not None and not any(value == d and type(value) is type(d)
+                                         for d in defaults):
+            raise self.fail(name, f"{self.prefix}{name} is not supported by this server "
+                            f"(got {json.dumps(value)[:80]}); leave it out")
+
+    def ignored(self, *names: str) -> None:
+        """Fields that change nothing here (``user``, ``metadata``): read and dropped."""
+        self.seen.update(names)
+
+    def finish(self) -> None:
+        """Refuse any field no getter read."""
+        extra = sorted(set(self.body) - self.seen)
+        if extra:
+            raise APIError(400, f"unrecognized request argument supplied: {extra[0]}",
+                           param=self.prefix + extra[0])

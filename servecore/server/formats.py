@@ -1,0 +1,148 @@
+"""How each generation route writes its answer: the whole object, or its stream of
+server-sent events. One class per route (``ChatFormat``, ``CompletionFormat``,
+``MessagesFormat``) with the same four methods, so ``servecore.server.app`` drives them all
+alike.
+
+>>> f = ChatFormat("m", n=1, include_usage=False)
+>>> [e.decode().split('"delta":')[1][:33] for e in f.piece(Piece(0, "hi"))]
+['{"role":"assistant","content":""}', '{"content":"hi"},"logprobs":null,']
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from servecore.server import anthropic_api, openai_api
+from servecore.server.errors import APIError
+from servecore.server.generation import Piece, Usage
+
+__all__ = ["ChatFormat", "CompletionFormat", "MessagesFormat", "sse"]
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event (``data`` as compact JSON, or a string as it is)."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "").encode() + f"data: {text}\n\n".encode()
+
+
+class ChatFormat:
+    """``/v1/chat/completions``: a ``chat.completion`` or its chunks, ``data: [DONE]`` last."""
+
+    keepalive = b": keep-alive\n\n"
+
+    def __init__(self, model: str, n: int, include_usage: bool):
+        self.model, self.n, self.include_usage = model, n, include_usage
+        self.id, self.created = openai_api.new_id("chatcmpl"), int(time.time())
+        self._started: set[int] = set()
+
+    def error(self, e: APIError) -> dict[str, Any]:
+        return e.openai()
+
+    def complete(self, texts: list[str], finish: list[str | None], stops: list[str | None],
+                 usage: Usage) -> dict[str, Any]:
+        return openai_api.chat_response(self.id, self.model, texts, finish, usage)
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        out = []
+        if p.index not in self._started:  # each choice opens with its role
+            self._started.add(p.index)
+            out.append(sse(self._chunk(p.index, {"role": "assistant", "content": ""})))
+        if p.text:
+            out.append(sse(self._chunk(p.index, {"content": p.text})))
+        if p.finish_reason is not None:
+            out.append(sse(self._chunk(p.index, {}, p.finish_reason)))
+        return out
+
+    def _chunk(self, index, delta, finish=None, usage=None):
+        return openai_api.chat_chunk(self.id, self.model, self.created, index, delta, finish,
+                                     usage)
+
+    def tail(self, usage: Usage) -> list[bytes]:
+        out = [sse(self._chunk(None, {}, usage=usage))] if self.include_usage else []
+        return out + [sse("[DONE]")]
+
+    def stream_error(self, e: APIError) -> list[bytes]:
+        return [sse(e.openai()), sse("[DONE]")]
+
+
+class CompletionFormat(ChatFormat):
+    """``/v1/completions``: a ``text_completion`` or its chunks, ``data: [DONE]`` last."""
+
+    def __init__(self, model: str, n: int, include_usage: bool):
+        super().__init__(model, n, include_usage)
+        self.id = openai_api.new_id("cmpl")
+
+    def complete(self, texts, finish, stops, usage):
+        return openai_api.completion_response(self.id, self.model, texts, finish, usage)
+
+    def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        if not p.text and p.finish_reason is None:
+            return []
+        return [sse(openai_api.completion_chunk(self.id, self.model, self.created, p.index,
+                                                p.text, p.finish_reason))]
+
+    def tail(self, usage: Usage) -> list[bytes]:
+        out = [sse(openai_api.completion_chunk(self.id, self.model, self.created, None,
+                                               usage=usage))] if self.include_usage else []
+        return out + [sse("[DONE]")]
+
+
+class MessagesFormat:
+    """``/v1/messages``: a ``message`` or its event sequence (``message_start`` once the
+    first token says what the cache served, a text block's deltas, ``message_delta`` with the
+    stop reason and usage, ``message_stop``)."""
+
+    keepalive = sse({"type": "ping"}, "ping")
+
+    def __init__(self, model: str, n: int = 1, include_usage: bool = True):
+        self.model, self.id = model, anthropic_api.new_id()
+        self._open = False
+        self._reason, self._stop = "end_turn", None
+
+    def error(self, e: APIError) -> dict[str, Any]:
+        return e.anthropic()
+
+    def complete(self, texts, finish, stops, usage):
+        return anthropic_api.message_response(
+            self.id, self.model, texts[0], anthropic_api.stop_reason(finish[0], stops[0]),
+            stops[0], usage)
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def _start(self, usage: Usage) -> list[bytes]:
+        self._open = True
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": anthropic_api.usage_object(usage)}
+        return [sse({"type": "message_start", "message": message}, "message_start"),
+                sse({"type": "content_block_start", "index": 0,
+                     "content_block": {"type": "text", "text": ""}}, "content_block_start")]
+
+    def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        out = [] if self._open else self._start(usage or Usage())
+        if p.text:
+            out.append(sse({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "text_delta", "text": p.text}},
+                           "content_block_delta"))
+        if p.finish_reason is not None:
+            self._reason = anthropic_api.stop_reason(p.finish_reason, p.stop)
+            self._stop = p.stop
+        return out
+
+    def tail(self, usage: Usage) -> list[bytes]:
+        out = [] if self._open else self._start(usage)
+        return out + [
+            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            sse({"type": "message_delta", "delta": {"stop_reason": self._reason,
+                                                    "stop_sequence": self._stop},
+                 "usage": anthropic_api.usage_object(usage)}, "message_delta"),
+            sse({"type": "message_stop"}, "message_stop")]
+
+    def stream_error(self, e: APIError) -> list[bytes]:
+        return [sse(e.anthropic(), "error")]

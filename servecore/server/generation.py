@@ -1,0 +1,163 @@
+"""What every generation route does, whichever API it speaks: ``Ask`` (what the client asked
+for, parsed) and ``pieces`` (the engine's answer as text, piece by piece).
+
+A call's choices are its prompts x ``n``: choice ``p * n + i`` is the ``i``-th answer to prompt
+``p``. The first answer of each prompt is submitted at once; its siblings are submitted when
+it has its first token, so they find the whole prompt in the prefix cache and compute only
+their own tokens. A sibling's seed is ``seed + i`` (the same seed gives the same choices; two
+choices of one call differ).
+
+``pieces`` yields ``ACCEPTED`` once the engine has taken the first answers (a refusal, such as
+a prompt longer than the context, raises ``APIError`` before: a streaming route can still
+answer with an error status), ``KEEPALIVE`` when nothing happened for ``keepalive`` seconds (a
+long prefill), and a ``Piece`` per token's worth of text. When the consumer stops early (the
+client left, an error) every request still running is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from servecore.engine import Event
+from servecore.server.errors import APIError
+from servecore.server.text import TextStream
+from servecore.server.worker import EngineWorker, Generation
+
+__all__ = ["ACCEPTED", "KEEPALIVE", "Ask", "Piece", "Usage", "pieces"]
+
+ACCEPTED = "accepted"
+KEEPALIVE = "keepalive"
+
+
+@dataclasses.dataclass
+class Ask:
+    """One call's generation: its prompts (token ids), ``n`` answers each, and how to sample
+    and stop (``stop``: strings matched on the text).
+
+    >>> Ask([[1, 2]], n=2, max_tokens=4).num_choices
+    2
+    """
+
+    prompts: list[list[int]]
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        """Answers in all."""
+        return len(self.prompts) * self.n
+
+
+class Piece(NamedTuple):
+    """Text of choice ``index`` (maybe empty) and, on its last piece, why it ended (``"stop"``:
+    an EOS token or a stop string; ``"length"``: ``max_tokens``)."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended it
+
+
+@dataclasses.dataclass
+class Usage:
+    """Token counts of one call: every prompt once, every generated token, and the prompt
+    tokens the prefix cache served (each prompt's first answer says)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None  # seconds to the call's first token
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt and completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[int],
+                 usage: Usage, keepalive: float = 10.0) -> AsyncIterator[Any]:
+    """The answer of ``ask`` (see the module docstring); ``usage`` is filled as it goes."""
+    gen = Generation(asyncio.get_running_loop(), ask.num_choices)
+    texts = [TextStream(tokenizer, ask.stop) for _ in range(ask.num_choices)]
+    counts = [0] * ask.num_choices
+    open_ = set(range(ask.num_choices))
+    submitted: set[int] = set()
+    usage.prompt_tokens = sum(len(p) for p in ask.prompts)
+
+    def submit(choice: int, force: bool) -> None:
+        prompt, i = divmod(choice, ask.n)
+        worker.reserve(1, force=force)
+        seed = None if ask.seed is None else (ask.seed + i) % 2**31
+        worker.submit(gen, choice, ask.prompts[prompt], ask.max_tokens,
+                      temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed)
+        submitted.add(choice)
+
+    try:
+        for p in range(len(ask.prompts)):
+            submit(p * ask.n, force=p > 0)
+        accepted = 0
+        while open_:
+            try:
+                choice, item = await asyncio.wait_for(gen.queue.get(), keepalive)
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            if isinstance(item, APIError):
+                raise item
+            if isinstance(item, int):  # accepted
+                accepted += 1
+                if accepted == len(ask.prompts):
+                    yield ACCEPTED
+                continue
+            piece = _take(item, choice, texts[choice], counts, ask, eos, worker, gen)
+            if item.token is not None and counts[choice] == 1:
+                _first(item, choice, ask, usage, gen, submit)
+            if piece.finish_reason is not None:
+                open_.discard(choice)
+            yield piece
+    finally:
+        usage.completion_tokens = sum(counts)
+        if open_:
+            worker.cancel(gen)
+
+
+def _first(ev: Event, choice: int, ask: Ask, usage: Usage, gen: Generation, submit) -> None:
+    """Choice ``choice`` has its first token: the cache's share of its prompt (each prompt's
+    first answer), the call's time to first token, and its siblings' turn."""
+    if gen.first_at is None:
+        gen.first_at = time.perf_counter()
+        usage.ttft = gen.first_at - gen.submitted_at
+    if choice % ask.n == 0:
+        usage.cached_tokens += ev.cached or 0
+        for i in range(1, ask.n):
+            submit(choice + i, force=True)
+
+
+def _take(ev: Event, choice: int, text: TextStream, counts: list[int], ask: Ask,
+          eos: frozenset[int], worker: EngineWorker, gen: Generation) -> Piece:
+    """One engine event of ``choice`` as a ``Piece``."""
+    if ev.token is None:  # ended without a token (cancelled elsewhere)
+        return Piece(choice, text.finish(), "stop")
+    counts[choice] += 1
+    if ev.finished and ev.token in eos:
+        return Piece(choice, text.finish(), "stop")
+    piece = text.add(ev.token)
+    if text.stopped:
+        if not ev.finished:
+            worker.cancel_choice(gen, choice)
+        return Piece(choice, piece, "stop", text.matched)
+    if ev.finished:
+        return Piece(choice, piece + text.finish(),
+                     "length" if counts[choice] >= ask.max_tokens else "stop")
+    return Piece(choice, piece)

@@ -1,0 +1,249 @@
+"""``EngineWorker``: the one thread that drives an engine for the server.
+
+The event loop never calls the engine. It hands the worker jobs through a thread-safe queue
+(``submit`` a request, ``cancel`` a generation) and the worker hands back what happened
+through each generation's ``asyncio.Queue`` (``loop.call_soon_threadsafe``): the request's id
+once it is accepted, an ``APIError`` when the engine refuses it, then its
+``servecore.engine.Event``\\ s. Between two rounds the worker takes every job that arrived, so
+a cancel lands before the next round runs: a client that left stops costing work within one
+scheduling round, and what its request held is freed at once.
+
+The worker runs ``Streams.step_events`` while any request is unfinished and sleeps on the job
+queue otherwise. A round that raises is a fault of the engine, not of a request: the requests
+it dropped end with their error (500) and the worker goes on serving; after
+``MAX_FAILED_ROUNDS`` failures in a row every request still running ends with the error, so a
+fault that repeats cannot spin forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from servecore.engine import Event
+from servecore.errors import EngineClosedError
+from servecore.server.errors import APIError
+
+__all__ = ["MAX_FAILED_ROUNDS", "EngineWorker", "Generation"]
+
+MAX_FAILED_ROUNDS = 3
+"""Rounds that may fail in a row before every running request ends with the error."""
+
+log = logging.getLogger("servecore.server")
+
+
+class Generation:
+    """One HTTP request's requests to the engine (its ``n`` choices), on the event loop side:
+    ``queue`` receives ``(choice, item)`` with item the request id (accepted), an
+    ``APIError`` (refused or failed) or an ``Event``; ``submitted_at`` and ``first_at`` time
+    it (``time.perf_counter``).
+
+    >>> Generation(asyncio.new_event_loop(), 2).rids
+    {}
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
+        self.loop = loop
+        self.n = n
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.rids: dict[int, int] = {}  # choice -> request id (the worker's side)
+        self.cancelled = False  # the worker's side
+        self.submitted_at = time.perf_counter()
+        self.first_at: float | None = None
+
+    def put(self, choice: int, item: Any) -> None:
+        """Hand ``item`` to the event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, item))
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+
+class EngineWorker:
+    """Drives ``engine`` (anything with ``streams``, a ``servecore.streams.Streams``) on its
+    own thread (see the module docstring). ``max_waiting`` bounds the requests accepted but
+    not started (no first token yet): ``reserve`` refuses more with a 429.
+
+    >>> from servecore.requests import RequestBuilder
+    >>> from servecore.streams import Streams
+    >>> from servecore.testing import FakeCore
+    >>> class Fake:
+    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
+    >>> worker = EngineWorker(Fake(), max_waiting=4)
+    >>> worker.start(); worker.waiting
+    0
+    >>> worker.stop()
+    """
+
+    def __init__(self, engine: Any, *, max_waiting: int = 256):
+        self.engine = engine
+        self.streams = engine.streams
+        self.max_waiting = max_waiting
+        self._jobs: queue.SimpleQueue[tuple[str, Generation | None, Any]] = queue.SimpleQueue()
+        self._live: dict[int, tuple[Generation, int]] = {}  # rid -> (generation, choice)
+        self._unstarted: set[int] = set()  # live requests without a first token
+        self._lock = threading.Lock()
+        self._waiting = 0  # reserved and not started (loop and worker both count)
+        self.running = 0  # requests accepted and not finished (the worker's count)
+        self.failed_rounds = 0
+        self._thread = threading.Thread(target=self._serve, name="servecore-engine",
+                                        daemon=True)
+
+    @property
+    def waiting(self) -> int:
+        """Requests reserved (queued here or in the engine) that have no first token yet."""
+        return self._waiting
+
+    def reserve(self, count: int, force: bool = False) -> None:
+        """Count ``count`` requests as waiting, or refuse them (429) when that would put more
+        than ``max_waiting`` in the queue (``force``: count them anyway, for the later
+        choices of a generation already accepted). ``submit`` follows for each."""
+        with self._lock:
+            if not force and self._waiting + count > self.max_waiting:
+                raise APIError(429, f"the server's queue is full ({self._waiting} requests "
+                               f"waiting, --max-queue={self.max_waiting}): retry later",
+                               code="queue_full")
+            self._waiting += count
+
+    def _started(self, count: int = 1) -> None:
+        with self._lock:
+            self._waiting = max(0, self._waiting - count)
+
+    # ------------------------------------------------------------ the loop's calls ----
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the job queue's work, end the thread (requests still running are
+        aborted) and wait for it."""
+        self._jobs.put(("stop", None, None))
+        self._thread.join(timeout)
+
+    def submit(self, gen: Generation, choice: int, tokens: list[int], max_tokens: int,
+               **sampling: Any) -> None:
+        """Queue choice ``choice`` of ``gen`` (reserved with ``reserve`` first)."""
+        self._jobs.put(("submit", gen, (choice, tokens, max_tokens, sampling)))
+
+    def cancel(self, gen: Generation) -> None:
+        """Abort every request of ``gen`` (the client left, or a stop string ended it)."""
+        self._jobs.put(("cancel", gen, None))
+
+    def cancel_choice(self, gen: Generation, choice: int) -> None:
+        """Abort choice ``choice`` of ``gen`` alone (a stop string ended it)."""
+        self._jobs.put(("cancel", gen, choice))
+
+    # --------------------------------------------------------------- the thread ----
+
+    def _serve(self) -> None:
+        while True:
+            busy = bool(self._live)
+            try:
+                jobs = [self._jobs.get(timeout=None if not busy else 0)]
+            except queue.Empty:
+                jobs = []
+            while True:  # every job that arrived before this round
+                try:
+                    jobs.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, gen, arg in jobs:
+                if kind == "stop":
+                    self._abort_all(APIError(503, "the server is shutting down"))
+                    return
+                if kind == "submit":
+                    self._submit(gen, *arg)
+                else:
+                    self._cancel(gen, arg)
+            if self._live:
+                self._round()
+
+    def _submit(self, gen: Generation, choice: int, tokens: list[int], max_tokens: int,
+                sampling: dict[str, Any]) -> None:
+        if gen.cancelled:
+            self._started()
+            return
+        try:
+            rid = self.streams.add_request(tokens, max_tokens, **sampling)
+        except (ValueError, TypeError) as e:  # the engine's own checks: the prompt's length
+            self._started()
+            gen.put(choice, APIError(400, str(e), param=_param_of(e)))
+            return
+        except EngineClosedError as e:
+            self._started()
+            gen.put(choice, APIError(503, str(e)))
+            return
+        gen.rids[choice] = rid
+        self._live[rid] = (gen, choice)
+        self._unstarted.add(rid)
+        self.running += 1
+        gen.put(choice, rid)
+
+    def _cancel(self, gen: Generation, choice: int | None) -> None:
+        if choice is None:
+            gen.cancelled = True
+        for c, rid in list(gen.rids.items()):
+            if (choice is None or c == choice) and rid in self._live:
+                self.streams.abort(rid)
+                self._end(rid)
+
+    def _end(self, rid: int) -> None:
+        """Forget live request ``rid`` (finished or aborted)."""
+        self._live.pop(rid)
+        self.running -= 1
+        if rid in self._unstarted:
+            self._unstarted.discard(rid)
+            self._started()
+
+    def _round(self) -> None:
+        try:
+            events = self.streams.step_events()
+        except Exception as e:  # a fault of the engine: it named the requests it dropped
+            self.failed_rounds += 1
+            log.exception("a round failed (%d in a row)", self.failed_rounds)
+            if self.failed_rounds >= MAX_FAILED_ROUNDS:
+                self._abort_all(APIError(500, f"the engine failed: {e!r}"))
+            return
+        self.failed_rounds = 0
+        for ev in events:
+            self._deliver(ev)
+
+    def _deliver(self, ev: Event) -> None:
+        live = self._live.get(ev.rid)
+        if live is None:
+            return
+        gen, choice = live
+        if ev.rid in self._unstarted:
+            self._unstarted.discard(ev.rid)
+            self._started()
+        if ev.error is not None:
+            gen.put(choice, APIError(500, f"the engine failed serving this request: "
+                                     f"{ev.error!r}"))
+        else:
+            gen.put(choice, ev)
+        if ev.finished:
+            self._end(ev.rid)
+
+    def _abort_all(self, error: APIError) -> None:
+        for rid, (gen, choice) in list(self._live.items()):
+            try:
+                self.streams.abort(rid)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            self._end(rid)
+            gen.put(choice, error)
+
+
+def _param_of(error: BaseException) -> str | None:
+    """The request field an engine's ``ValueError`` is about, as the API names it."""
+    text = str(error)
+    if "max_tokens" in text:
+        return "max_tokens"
+    if "prompt" in text or "context" in text:
+        return "messages" if "chat" in text else "prompt"
+    return None
