@@ -52,6 +52,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
+import os
+import pathlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +66,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from mlxcache.engine import Engine, ReuseDisabledWarning
+from servecore.testing import save_word_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -582,3 +586,33 @@ def support_table() -> list[tuple[str, str, str, str]]:
             "yes" if engine.batched else "no, one request per forward",
         ))
     return rows
+
+
+def save_checkpoint(family: str, path: str | os.PathLike[str], seed: int = 0,
+                    **overrides: Any) -> None:
+    """Write ``make(family, seed, **overrides)`` into the directory ``path`` as mlx-lm's
+    checkpoints are laid out: ``config.json``, ``model.safetensors`` and the word tokenizer
+    of ``VOCAB`` tokens (``servecore.testing.save_word_tokenizer``: the word ``wN`` is token
+    ``N``, with a chat template), so ``mlx_lm.load(path)`` (and ``mlx_lm.server``) load the
+    same model.
+
+    >>> import tempfile
+    >>> import mlx_lm
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     save_checkpoint("llama", path, num_hidden_layers=1)
+    ...     model, tokenizer = mlx_lm.load(path)
+    >>> len(model.layers), tokenizer.encode("w7 w9", add_special_tokens=False)
+    (1, [7, 9])
+    """
+    model = make(family, seed, **overrides)
+    args = copy.deepcopy(FAMILIES[family])
+    nested = args.get("text_config")
+    for key, value in overrides.items():
+        (nested if nested is not None and key not in ("model_type", "text_config")
+         else args)[key] = value
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(args, indent=1))
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())))
+    save_word_tokenizer(out, VOCAB)
