@@ -28,7 +28,7 @@ An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of 
 parts (``delegate``).
 
 >>> Event(3, 17, False)
-Event(rid=3, token=17, finished=False, error=None)
+Event(rid=3, token=17, finished=False, error=None, cached=None)
 """
 
 from __future__ import annotations

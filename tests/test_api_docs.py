@@ -101,6 +101,18 @@ SERVECORE_API = [
     "servecore.engine",
     "servecore.thread",
     "servecore.testing",
+    "servecore.server",
+    "servecore.server.errors",
+    "servecore.server.fields",
+    "servecore.server.text",
+    "servecore.server.worker",
+    "servecore.server.generation",
+    "servecore.server.openai_api",
+    "servecore.server.anthropic_api",
+    "servecore.server.formats",
+    "servecore.server.metrics",
+    "servecore.server.app",
+    "servecore.server.cli",
 ]
 NEEDS_MLX = {n for n in MLXCACHE_API if n not in ("mlxcache.radix", "mlxcache.testing")}
 

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridattn",),  # the package's facade: re-exports the layers below
     ("hybridattn.testing",),
     ("hybridattn.demo",),
+    ("hybridattn.serve",),
     ("hybridattn.bench",),
     ("mlxcache.radix", "mlxcache.sampling", "mlxcache.pool"),
     ("mlxcache.cache",),
@@ -48,10 +49,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("mlxcache.generate", "mlxcache.zoo"),
     ("mlxcache",),
     ("mlxcache.testing",),
+    ("mlxcache.serve",),
     ("mlxcache.bench",),
 ]
 # Programs: they may import lazily (optional heavy dependencies, a subcommand's own setup).
-PROGRAMS = ("hybridattn.bench", "hybridattn.demo", "mlxcache.bench")
+PROGRAMS = ("hybridattn.bench", "hybridattn.demo", "hybridattn.serve", "mlxcache.bench",
+            "mlxcache.serve")
 
 
 def _module_name(path: pathlib.Path) -> str:

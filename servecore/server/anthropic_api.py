@@ -22,8 +22,7 @@ from servecore.server.fields import Fields
 from servecore.server.generation import Ask, Usage
 from servecore.server.openai_api import _encode
 
-__all__ = ["message_response", "parse_count_tokens", "parse_messages", "stop_reason",
-           "usage_object"]
+__all__ = ["parse_count_tokens", "parse_messages"]
 
 MAX_STOP = 8
 
@@ -79,10 +78,18 @@ def _unsupported(f: Fields) -> None:
 
 
 def parse_messages(body: Any, tokenizer: Any, *, vocab_size: int) -> Ask:
-    """A ``/v1/messages`` body as an ``Ask``; 400 naming the field when it is wrong."""
+    """A ``/v1/messages`` body as an ``Ask``; 400 naming the field when it is wrong.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> parse_messages({"model": "m", "messages": [{"role": "user", "content": "w7"}]},
+    ...                word_tokenizer(32), vocab_size=32)
+    Traceback (most recent call last):
+    ...
+    servecore.server.errors.APIError: max_tokens is required
+    """
     f = Fields(body)
     f.string("model", required=True)
-    ask = Ask([_encode("messages", _chat(f), tokenizer, vocab_size)])
+    ask = Ask([_encode("messages", _chat(f), tokenizer, vocab_size)], prompt_field="messages")
     ask.max_tokens = f.integer("max_tokens", None, lo=1, required=True)
     ask.temperature = f.number("temperature", 1.0, lo=0.0, hi=1.0)
     ask.top_p = f.number("top_p", 1.0, lo=0.0, hi=1.0)
@@ -97,7 +104,14 @@ def parse_messages(body: Any, tokenizer: Any, *, vocab_size: int) -> Ask:
 
 
 def parse_count_tokens(body: Any, tokenizer: Any, *, vocab_size: int) -> int:
-    """The input tokens a ``/v1/messages/count_tokens`` body's prompt takes."""
+    """The input tokens a ``/v1/messages/count_tokens`` body's prompt takes.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> parse_count_tokens({"model": "m", "system": "w5", "messages": [
+    ...     {"role": "user", "content": [{"type": "text", "text": "w7 w8"}]}]},
+    ...     word_tokenizer(32), vocab_size=32) > 3
+    True
+    """
     f = Fields(body)
     f.string("model", required=True)
     tokens = _encode("messages", _chat(f), tokenizer, vocab_size)

@@ -43,7 +43,19 @@ log = logging.getLogger("servecore.server")
 class Server:
     """What the routes share: the engine's worker, its tokenizer and EOS ids, the served
     model's name, the metrics and the options (``max_queue``: requests that may wait for a
-    first token; ``keepalive``: seconds between keep-alive comments while a stream waits)."""
+    first token; ``keepalive``: seconds between keep-alive comments while a stream waits).
+
+    >>> from servecore.requests import RequestBuilder
+    >>> from servecore.streams import Streams
+    >>> from servecore.testing import FakeCore, word_tokenizer
+    >>> class Fake:
+    ...     tokenizer = word_tokenizer(32)
+    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
+    >>> Server(Fake(), model_name="m").check_model({"model": "x"})
+    Traceback (most recent call last):
+    ...
+    servecore.server.errors.APIError: the model 'x' does not exist here: this server serves 'm'
+    """
 
     def __init__(self, engine: Any, *, model_name: str, max_queue: int = 256,
                  keepalive: float = 10.0):
@@ -245,7 +257,18 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
     """The server's ASGI application over ``engine`` (a ``hybridattn.Engine`` or
     ``mlxcache.Engine`` with a tokenizer, or anything with ``streams`` and ``tokenizer``). Its
     lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both);
-    ``app.state.server`` is the ``Server``."""
+    ``app.state.server`` is the ``Server``.
+
+    >>> from servecore.requests import RequestBuilder
+    >>> from servecore.streams import Streams
+    >>> from servecore.testing import FakeCore, word_tokenizer
+    >>> class Fake:
+    ...     tokenizer = word_tokenizer(32)
+    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
+    >>> app = create_app(Fake(), model_name="m")
+    >>> app.state.server.model_name, [r.path for r in app.routes][:2]
+    ('m', ['/v1/chat/completions', '/v1/completions'])
+    """
     server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive)
 
     async def api_error(request: Request, e: APIError) -> Response:

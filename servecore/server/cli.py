@@ -14,11 +14,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from servecore.server.app import create_app
+
 __all__ = ["add_server_args", "run"]
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> None:
-    """The flags of the HTTP side: where to listen, the model's name, the queue."""
+    """The flags of the HTTP side: where to listen, the model's name, the queue.
+
+    >>> p = argparse.ArgumentParser()
+    >>> add_server_args(p, default_name="m")
+    >>> p.parse_args(["--host", "0.0.0.0"]).host
+    '0.0.0.0'
+    """
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -34,10 +42,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
 
 def run(engine: Any, args: argparse.Namespace) -> None:
     """Serve ``engine`` with the flags ``add_server_args`` added, until interrupted; the
-    engine is closed at the end."""
-    import uvicorn
+    engine is closed at the end (``python -m hybridattn.serve`` ends with it).
 
-    from servecore.server.app import create_app
+    >>> callable(run)
+    True
+    """
+    import uvicorn
 
     app = create_app(engine, model_name=args.served_model_name, max_queue=args.max_queue,
                      keepalive=args.keepalive)

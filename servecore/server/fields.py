@@ -44,8 +44,14 @@ def parse_json(raw: bytes) -> Any:
 
 
 class Fields:
-    """The fields of one JSON object (``what`` names it in errors; see the module
-    docstring)."""
+    """The fields of one JSON object (``what`` names it in errors, ``prefix`` before each
+    field's name; see the module docstring).
+
+    >>> Fields({"role": 3}, "messages[0]", prefix="messages[0].").string("role")
+    Traceback (most recent call last):
+    ...
+    servecore.server.errors.APIError: messages[0].role must be a string, not int
+    """
 
     def __init__(self, body: Any, what: str = "the request body", prefix: str = ""):
         if not isinstance(body, dict):

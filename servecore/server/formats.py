@@ -18,17 +18,29 @@ from servecore.server import anthropic_api, openai_api
 from servecore.server.errors import APIError
 from servecore.server.generation import Piece, Usage
 
-__all__ = ["ChatFormat", "CompletionFormat", "MessagesFormat", "sse"]
+__all__ = ["ChatFormat", "CompletionFormat", "MessagesFormat"]
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
-    """One server-sent event (``data`` as compact JSON, or a string as it is)."""
+    """One server-sent event (``data`` as compact JSON, or a string as it is).
+
+    >>> sse({"type": "ping"}, "ping")
+    b'event: ping\\ndata: {"type":"ping"}\\n\\n'
+    """
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return (f"event: {event}\n" if event else "").encode() + f"data: {text}\n\n".encode()
 
 
 class ChatFormat:
-    """``/v1/chat/completions``: a ``chat.completion`` or its chunks, ``data: [DONE]`` last."""
+    """``/v1/chat/completions``: a ``chat.completion`` or its chunks, ``data: [DONE]`` last.
+    ``keepalive`` is what a stream sends while nothing happens.
+
+    >>> f = ChatFormat("m", n=1, include_usage=True)
+    >>> f.complete(["w5"], ["stop"], [None], Usage(3, 1))["choices"][0]["message"]["content"]
+    'w5'
+    >>> f.tail(Usage(3, 1))[-1]
+    b'data: [DONE]\\n\\n'
+    """
 
     keepalive = b": keep-alive\n\n"
 
@@ -38,16 +50,20 @@ class ChatFormat:
         self._started: set[int] = set()
 
     def error(self, e: APIError) -> dict[str, Any]:
+        """The error object of this API."""
         return e.openai()
 
     def complete(self, texts: list[str], finish: list[str | None], stops: list[str | None],
                  usage: Usage) -> dict[str, Any]:
+        """The whole answer: each choice's text, finish reason and stop string."""
         return openai_api.chat_response(self.id, self.model, texts, finish, usage)
 
     def head(self) -> list[bytes]:
+        """The events a stream opens with."""
         return []
 
     def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        """The events of one piece of text (``usage``: the call's so far)."""
         out = []
         if p.index not in self._started:  # each choice opens with its role
             self._started.add(p.index)
@@ -63,30 +79,39 @@ class ChatFormat:
                                      usage)
 
     def tail(self, usage: Usage) -> list[bytes]:
+        """The events a stream ends with."""
         out = [sse(self._chunk(None, {}, usage=usage))] if self.include_usage else []
         return out + [sse("[DONE]")]
 
     def stream_error(self, e: APIError) -> list[bytes]:
+        """The events that end a stream with an error."""
         return [sse(e.openai()), sse("[DONE]")]
 
 
 class CompletionFormat(ChatFormat):
-    """``/v1/completions``: a ``text_completion`` or its chunks, ``data: [DONE]`` last."""
+    """``/v1/completions``: a ``text_completion`` or its chunks, ``data: [DONE]`` last.
+
+    >>> CompletionFormat("m", 1, False).piece(Piece(0, "", None))  # nothing to say yet
+    []
+    """
 
     def __init__(self, model: str, n: int, include_usage: bool):
         super().__init__(model, n, include_usage)
         self.id = openai_api.new_id("cmpl")
 
     def complete(self, texts, finish, stops, usage):
+        """The whole answer: each choice's text, finish reason and stop string."""
         return openai_api.completion_response(self.id, self.model, texts, finish, usage)
 
     def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        """The events of one piece of text (``usage``: the call's so far)."""
         if not p.text and p.finish_reason is None:
             return []
         return [sse(openai_api.completion_chunk(self.id, self.model, self.created, p.index,
                                                 p.text, p.finish_reason))]
 
     def tail(self, usage: Usage) -> list[bytes]:
+        """The events a stream ends with."""
         out = [sse(openai_api.completion_chunk(self.id, self.model, self.created, None,
                                                usage=usage))] if self.include_usage else []
         return out + [sse("[DONE]")]
@@ -95,7 +120,14 @@ class CompletionFormat(ChatFormat):
 class MessagesFormat:
     """``/v1/messages``: a ``message`` or its event sequence (``message_start`` once the
     first token says what the cache served, a text block's deltas, ``message_delta`` with the
-    stop reason and usage, ``message_stop``)."""
+    stop reason and usage, ``message_stop``).
+
+    >>> f = MessagesFormat("m")
+    >>> [e.split(b"\\n")[0] for e in f.piece(Piece(0, "w5", "stop", "w6"), Usage(3, 1))]
+    [b'event: message_start', b'event: content_block_start', b'event: content_block_delta']
+    >>> f.complete(["w5"], ["stop"], ["w6"], Usage(3, 1))["stop_reason"]
+    'stop_sequence'
+    """
 
     keepalive = sse({"type": "ping"}, "ping")
 
@@ -105,14 +137,17 @@ class MessagesFormat:
         self._reason, self._stop = "end_turn", None
 
     def error(self, e: APIError) -> dict[str, Any]:
+        """The error object of this API."""
         return e.anthropic()
 
     def complete(self, texts, finish, stops, usage):
+        """The whole answer: each choice's text, finish reason and stop string."""
         return anthropic_api.message_response(
             self.id, self.model, texts[0], anthropic_api.stop_reason(finish[0], stops[0]),
             stops[0], usage)
 
     def head(self) -> list[bytes]:
+        """The events a stream opens with."""
         return []
 
     def _start(self, usage: Usage) -> list[bytes]:
@@ -125,6 +160,7 @@ class MessagesFormat:
                      "content_block": {"type": "text", "text": ""}}, "content_block_start")]
 
     def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
+        """The events of one piece of text (``usage``: the call's so far)."""
         out = [] if self._open else self._start(usage or Usage())
         if p.text:
             out.append(sse({"type": "content_block_delta", "index": 0,
@@ -136,6 +172,7 @@ class MessagesFormat:
         return out
 
     def tail(self, usage: Usage) -> list[bytes]:
+        """The events a stream ends with."""
         out = [] if self._open else self._start(usage)
         return out + [
             sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
@@ -145,4 +182,5 @@ class MessagesFormat:
             sse({"type": "message_stop"}, "message_stop")]
 
     def stream_error(self, e: APIError) -> list[bytes]:
+        """The events that end a stream with an error."""
         return [sse(e.anthropic(), "error")]

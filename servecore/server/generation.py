@@ -52,6 +52,7 @@ class Ask:
     stop: list[str] = dataclasses.field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    prompt_field: str = "prompt"  # what the API calls the prompt ("messages" in a chat)
 
     @property
     def num_choices(self) -> int:
@@ -61,7 +62,11 @@ class Ask:
 
 class Piece(NamedTuple):
     """Text of choice ``index`` (maybe empty) and, on its last piece, why it ended (``"stop"``:
-    an EOS token or a stop string; ``"length"``: ``max_tokens``)."""
+    an EOS token or a stop string; ``"length"``: ``max_tokens``).
+
+    >>> Piece(0, " w5", "stop", stop="w6").finish_reason
+    'stop'
+    """
 
     index: int
     text: str
@@ -72,7 +77,11 @@ class Piece(NamedTuple):
 @dataclasses.dataclass
 class Usage:
     """Token counts of one call: every prompt once, every generated token, and the prompt
-    tokens the prefix cache served (each prompt's first answer says)."""
+    tokens the prefix cache served (each prompt's first answer says).
+
+    >>> Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8).total_tokens
+    14
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -87,8 +96,27 @@ class Usage:
 
 async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[int],
                  usage: Usage, keepalive: float = 10.0) -> AsyncIterator[Any]:
-    """The answer of ``ask`` (see the module docstring); ``usage`` is filled as it goes."""
-    gen = Generation(asyncio.get_running_loop(), ask.num_choices)
+    """The answer of ``ask`` (see the module docstring); ``usage`` is filled as it goes.
+    ``servecore.testing.FakeCore`` answers prompt ``[17]`` with 17, 24, 31:
+
+    >>> from servecore.requests import RequestBuilder
+    >>> from servecore.streams import Streams
+    >>> from servecore.testing import FakeCore, word_tokenizer
+    >>> class Fake:
+    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
+    >>> worker = EngineWorker(Fake())
+    >>> worker.start()
+    >>> async def answer():
+    ...     usage = Usage()
+    ...     out = [p async for p in pieces(worker, Ask([[17]], max_tokens=3),
+    ...                                    word_tokenizer(32), frozenset(), usage)]
+    ...     return out, usage.completion_tokens
+    >>> out, tokens = asyncio.run(answer())
+    >>> tokens, out[0], [(p.text, p.finish_reason) for p in out[1:]]
+    (3, 'accepted', [('w17', None), (' w24', None), (' w31', 'length')])
+    >>> worker.stop()
+    """
+    gen = Generation(asyncio.get_running_loop(), ask.num_choices, ask.prompt_field)
     texts = [TextStream(tokenizer, ask.stop) for _ in range(ask.num_choices)]
     counts = [0] * ask.num_choices
     open_ = set(range(ask.num_choices))

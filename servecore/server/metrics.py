@@ -47,7 +47,13 @@ class _Histogram:
 
 
 class Metrics:
-    """The server's counters (see the module docstring); safe to update from any thread."""
+    """The server's counters (see the module docstring); safe to update from any thread.
+
+    >>> m = Metrics()
+    >>> m.add_tokens(prompt=10, cached=8, completion=3)
+    >>> "servecore_cached_tokens_total 8" in m.render(waiting=0, running=0)
+    True
+    """
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -26,8 +26,7 @@ from servecore.server.errors import APIError
 from servecore.server.fields import Fields
 from servecore.server.generation import Ask, Usage
 
-__all__ = ["chat_chunk", "chat_response", "completion_chunk", "completion_response",
-           "parse_chat", "parse_completion", "usage_object"]
+__all__ = ["parse_chat", "parse_completion"]
 
 MAX_N = 16
 MAX_STOP = 4
@@ -76,7 +75,19 @@ def _common(f: Fields, ask: Ask, max_tokens: int) -> Ask:
 
 def parse_chat(body: Any, tokenizer: Any, *, vocab_size: int, max_tokens: int = 256) -> Ask:
     """A ``/v1/chat/completions`` body as an ``Ask`` (the messages through the tokenizer's
-    chat template); 400 naming the field when it is wrong."""
+    chat template); 400 naming the field when it is wrong.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> body = {"model": "m", "messages": [{"role": "user", "content": "w7"}], "seed": 3}
+    >>> ask = parse_chat(body, word_tokenizer(32), vocab_size=32)
+    >>> ask.seed, ask.prompt_field
+    (3, 'messages')
+    >>> try:
+    ...     parse_chat({**body, "presence_penalty": 1}, word_tokenizer(32), vocab_size=32)
+    ... except APIError as e:
+    ...     print(e.status, e.param)
+    400 presence_penalty
+    """
     f = Fields(body)
     f.string("model", required=True)
     messages = f.required("messages")
@@ -89,7 +100,7 @@ def parse_chat(body: Any, tokenizer: Any, *, vocab_size: int, max_tokens: int = 
             raise f.fail("max_tokens", "give max_tokens or max_completion_tokens, not both")
         max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     f.seen.add("max_completion_tokens")
-    ask = _common(f, Ask([tokens]), max_tokens)
+    ask = _common(f, Ask([tokens], prompt_field="messages"), max_tokens)
     f.finish()
     return ask
 
@@ -134,7 +145,13 @@ def _encode(name: str, prompt: Any, tokenizer: Any, vocab_size: int) -> list[int
 def parse_completion(body: Any, tokenizer: Any, *, vocab_size: int,
                      max_tokens: int = 16) -> Ask:
     """A ``/v1/completions`` body as an ``Ask``: the prompt is a text, a list of texts, a
-    list of token ids or a list of such lists."""
+    list of token ids or a list of such lists.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> parse_completion({"model": "m", "prompt": [[7, 8], [9]]}, word_tokenizer(32),
+    ...                  vocab_size=32).prompts
+    [[7, 8], [9]]
+    """
     f = Fields(body)
     f.string("model", required=True)
     prompt = f.required("prompt")

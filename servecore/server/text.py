@@ -25,7 +25,13 @@ __all__ = ["TextStream"]
 class TextStream:
     """The text of one request's tokens (see the module docstring): ``add`` each token as it
     comes, ``finish`` at the end; each returns the text that may be sent now. ``stopped``:
-    a stop string matched (add nothing more); ``text``: everything released."""
+    a stop string matched (add nothing more); ``text``: everything released.
+
+    >>> from servecore.testing import word_tokenizer
+    >>> t = TextStream(word_tokenizer(32))
+    >>> t.add(17) + t.add(18) + t.finish()
+    'w17 w18'
+    """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer

@@ -46,9 +46,11 @@ class Generation:
     {}
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1,
+                 prompt_field: str = "prompt"):
         self.loop = loop
         self.n = n
+        self.prompt_field = prompt_field  # what the API calls the prompt, for errors
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.rids: dict[int, int] = {}  # choice -> request id (the worker's side)
         self.cancelled = False  # the worker's side
@@ -172,7 +174,7 @@ class EngineWorker:
             rid = self.streams.add_request(tokens, max_tokens, **sampling)
         except (ValueError, TypeError) as e:  # the engine's own checks: the prompt's length
             self._started()
-            gen.put(choice, APIError(400, str(e), param=_param_of(e)))
+            gen.put(choice, APIError(400, str(e), param=self._param_of(gen, tokens)))
             return
         except EngineClosedError as e:
             self._started()
@@ -183,6 +185,15 @@ class EngineWorker:
         self._unstarted.add(rid)
         self.running += 1
         gen.put(choice, rid)
+
+    def _param_of(self, gen: Generation, tokens: list[int]) -> str:
+        """The field a refused request is about: its prompt when the prompt alone does not
+        fit, else ``max_tokens``."""
+        try:
+            self.streams.build.one(tokens, 1)
+        except (ValueError, TypeError):
+            return gen.prompt_field
+        return "max_tokens"
 
     def _cancel(self, gen: Generation, choice: int | None) -> None:
         if choice is None:
@@ -239,11 +250,3 @@ class EngineWorker:
             gen.put(choice, error)
 
 
-def _param_of(error: BaseException) -> str | None:
-    """The request field an engine's ``ValueError`` is about, as the API names it."""
-    text = str(error)
-    if "max_tokens" in text:
-        return "max_tokens"
-    if "prompt" in text or "context" in text:
-        return "messages" if "chat" in text else "prompt"
-    return None
