@@ -28,7 +28,7 @@ An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of 
 parts (``delegate``).
 
 >>> Event(3, 17, False)
-Event(rid=3, token=17, finished=False, error=None, cached=None)
+Event(rid=3, token=17, finished=False, error=None, cached=None, logprobs=None)
 """
 
 from __future__ import annotations
@@ -38,16 +38,31 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from servecore.requests import GenerationRequest
 
-__all__ = ["EngineCore", "Event", "delegate"]
+__all__ = ["EngineCore", "Event", "TokenLogprobs", "delegate"]
 
 _REQUIRED = object()
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability and the ``k`` most likely tokens' (``(id,
+    logprob)``, most likely first, ties to the lower id), for a request that asked for
+    ``logprobs=k``: the log-softmax of the model's logits at that position in float32, before
+    temperature, top-k and top-p.
+
+    >>> TokenLogprobs(-0.1, ((5, -0.1), (9, -2.4))).top[1]
+    (9, -2.4)
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Event(NamedTuple):
     """One token of request ``rid`` (``token`` is None when the request ended without one:
     it was aborted, or a round serving it failed with ``error``). A request's first token
     carries ``cached``: how many of its prompt tokens the prefix cache served (0 on a miss;
-    None on later tokens, and from a core that does not say).
+    None on later tokens, and from a core that does not say). A request that asked for
+    ``logprobs`` gets them with each token (``TokenLogprobs``).
 
     >>> Event(0, None, True, error=RuntimeError("step failed")).finished
     True
@@ -60,6 +75,7 @@ class Event(NamedTuple):
     finished: bool
     error: BaseException | None = None
     cached: int | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 @runtime_checkable

@@ -9,7 +9,10 @@ Every engine takes a request the same way (``generate``, ``stream``, ``add_reque
   request's own seed, so identical prompts with one seed sample alike (give a list of seeds,
   one per prompt, for different samples);
 * ``stop_token_ids``: one id or a list; a request ends on any of them (the stop token is kept
-  in its output); default: the tokenizer's (and config's) EOS ids.
+  in its output); default: the tokenizer's (and config's) EOS ids;
+* ``logprobs``: None (the default), or ``k`` in ``[0, MAX_LOGPROBS]``: each of the request's
+  tokens comes with its log-probability and the ``k`` most likely tokens' (``Event.logprobs``,
+  a ``servecore.engine.TokenLogprobs``).
 
 ``max_tokens`` and each sampling argument is one value for every prompt, or a list (or 1-D
 NumPy array) with one per prompt. All of it is checked before anything is queued: a
@@ -45,11 +48,14 @@ from servecore.prompts import encode_prompt
 from servecore.sampling import SamplingParams
 from servecore.validate import check_int, prompt_list, stop_ids
 
-__all__ = ["DEFAULT_MAX_TOKENS", "GenerationRequest", "RequestBuilder", "finish_after",
-           "finish_reason", "per_prompt"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_LOGPROBS", "GenerationRequest", "RequestBuilder",
+           "finish_after", "finish_reason", "per_prompt"]
 
 DEFAULT_MAX_TOKENS = 256
 """``max_tokens`` when a call does not give it."""
+
+MAX_LOGPROBS = 20
+"""The most alternatives a token's ``logprobs`` may list (OpenAI's limit)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,6 +71,8 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: frozenset[int]
+    # None: no log-probabilities; k: each token's and its k most likely alternatives'
+    logprobs: int | None = None
 
     @property
     def context_len(self) -> int:
@@ -158,15 +166,16 @@ class RequestBuilder:
 
     def __call__(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
                  temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                 stop_token_ids: Any = None) -> list[GenerationRequest]:
+                 stop_token_ids: Any = None, logprobs: Any = None) -> list[GenerationRequest]:
         """One request per prompt (a list of prompts, read once), every value checked before
         any is returned."""
         prompts = prompt_list(prompts)
         n = len(prompts)
         maxes = per_prompt("max_tokens", max_tokens, n)
+        tops = per_prompt("logprobs", logprobs, n)
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         columns = {name: per_prompt(name, value, n) for name, value in given.items()}
-        listed = _listed(max_tokens) or any(map(_listed, given.values()))
+        listed = _listed(max_tokens) or _listed(logprobs) or any(map(_listed, given.values()))
         stop = self.stop(stop_token_ids)
         out = []
         for i, prompt in enumerate(prompts):
@@ -174,23 +183,43 @@ class RequestBuilder:
             try:
                 sampling = SamplingParams(**{name: col[i] for name, col in columns.items()})
                 limit = check_int("max_tokens", maxes[i], 1)
+                top = _logprobs(tops[i])
             except ValueError as e:
                 raise ValueError(f"{where}: {e}" if listed else str(e)) from None
-            out.append(self._make(where, prompt, limit, sampling, stop))
+            out.append(self._make(where, prompt, limit, sampling, stop, top))
         return out
 
     def one(self, prompt: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *, temperature: Any = 0.0,
             top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-            stop_token_ids: Any = None) -> GenerationRequest:
-        """One request (``add_request``): the same checks, the prompt named ``prompt``."""
+            stop_token_ids: Any = None, logprobs: Any = None) -> GenerationRequest:
+        """One request (``add_request``): the same checks, the prompt named ``prompt``.
+
+        >>> RequestBuilder(vocab_size=16).one([3], 2, logprobs=5).logprobs
+        5
+        >>> RequestBuilder(vocab_size=16).one([3], 2, logprobs=21)
+        Traceback (most recent call last):
+        ...
+        ValueError: logprobs=21 must be None or an int in [0, 20]
+        """
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         limit = check_int("max_tokens", max_tokens, 1)
-        return self._make("prompt", prompt, limit, sampling, self.stop(stop_token_ids))
+        return self._make("prompt", prompt, limit, sampling, self.stop(stop_token_ids),
+                          _logprobs(logprobs))
 
     def _make(self, name: str, prompt: Any, max_tokens: int, sampling: SamplingParams,
-              stop: frozenset[int]) -> GenerationRequest:
+              stop: frozenset[int], logprobs: int | None = None) -> GenerationRequest:
         tokens = encode_prompt(name, prompt, self.tokenizer, self.vocab_size)
-        req = GenerationRequest(tokens, max_tokens, sampling, stop)
+        req = GenerationRequest(tokens, max_tokens, sampling, stop, logprobs)
         if self._check is not None:
             self._check(name, req)
         return req
+
+
+def _logprobs(value: Any) -> int | None:
+    """``logprobs`` checked: None, or an int in ``[0, MAX_LOGPROBS]``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) \
+            or not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs={value!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+    return int(value)

@@ -94,14 +94,17 @@ class Streams:
 
     def add_request(self, prompt: Any, max_tokens: Any = None, *,
                     temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                    stop_token_ids: Any = None, max_new_tokens: Any = None) -> int:
-        """Queue one request; returns its id. ``step`` returns its tokens. The arguments are
-        those of ``servecore.requests`` (``max_tokens``: default ``DEFAULT_MAX_TOKENS``;
+                    stop_token_ids: Any = None, max_new_tokens: Any = None,
+                    logprobs: Any = None) -> int:
+        """Queue one request; returns its id. ``step`` returns its tokens (``step_events``
+        with their ``logprobs`` when it asked for them). The arguments are those of
+        ``servecore.requests`` (``max_tokens``: default ``DEFAULT_MAX_TOKENS``;
         ``max_new_tokens`` is its old name, deprecated)."""
         max_tokens = _max_tokens(max_tokens, max_new_tokens)
         with self._entered():
             req = self.build.one(prompt, max_tokens, temperature=temperature, top_p=top_p,
-                                 top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
+                                 top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
+                                 logprobs=logprobs)
             return self._submit([req], self._steps)[0]
 
     def stream(self, prompts: Any, max_tokens: Any = None, *,

@@ -40,10 +40,10 @@ import os
 from collections import deque
 from typing import Any
 
-from servecore.engine import Event
+from servecore.engine import Event, TokenLogprobs
 from servecore.requests import GenerationRequest, finish_reason
 
-__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "FakeCore", "FakeFailure", "fake_tokens",
+__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "FakeCore", "FakeFailure", "fake_logprobs", "fake_tokens",
            "save_word_tokenizer", "word_tokenizer"]
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -210,5 +210,18 @@ class FakeCore:
             token = left.pop(0)
             if not left:
                 del self.running[rid]
-            emit(Event(rid, token, not left))
+            emit(Event(rid, token, not left, logprobs=fake_logprobs(
+                token, self.requests[rid].logprobs, self.vocab_size)))
         return True
+
+
+def fake_logprobs(token: int, k: int | None, vocab_size: int) -> TokenLogprobs | None:
+    """``FakeCore``'s log-probabilities of ``token`` when a request asked for ``k``
+    alternatives: the token at -0.5, then the next ids at -1.5, -2.5, ...
+
+    >>> fake_logprobs(30, 2, 32)
+    TokenLogprobs(logprob=-0.5, top=((30, -0.5), (31, -1.5)))
+    """
+    if k is None:
+        return None
+    return TokenLogprobs(-0.5, tuple(((token + i) % vocab_size, -0.5 - i) for i in range(k)))
