@@ -70,6 +70,12 @@ class Server:
         self.metrics = Metrics()
         self.created = int(time.time())
 
+    def text_of(self, ask: Ask):
+        """A token's text, when ``ask`` wants log-probabilities (else None)."""
+        if ask.logprobs is None:
+            return None
+        return lambda token: self.tokenizer.decode([token])
+
     def check_model(self, body: Any) -> None:
         """404 unless the body asks for the served model."""
         model = body.get("model") if isinstance(body, dict) else None
@@ -114,17 +120,20 @@ class Answer:
             return
         n = self.ask.num_choices
         texts, finish, stops = [""] * n, [None] * n, [None] * n
+        entries: list[list] = [[] for _ in range(n)]
         try:
             async for p in self._pieces():
                 if p is ACCEPTED or p is KEEPALIVE:
                     continue
                 texts[p.index] += p.text
+                entries[p.index] += p.logprobs
                 if p.finish_reason is not None:
                     finish[p.index], stops[p.index] = p.finish_reason, p.stop
         except APIError as e:
             await self._send_json(send, e.status, self.fmt.error(e))
             return
-        await self._send_json(send, 200, self.fmt.complete(texts, finish, stops, self.usage))
+        await self._send_json(send, 200, self.fmt.complete(texts, finish, stops, self.usage,
+                                                           entries))
         self._done()
 
     async def _stream(self, send: Any) -> None:
@@ -199,13 +208,13 @@ def _routes(server: Server) -> list[Route]:
         body = await _body(s, request)
         ask = openai_api.parse_chat(body, s.tokenizer, vocab_size=s.vocab_size)
         return Answer(s, "/v1/chat/completions", ask,
-                      ChatFormat(s.model_name, ask.n, ask.include_usage))
+                      ChatFormat(s.model_name, ask.n, ask.include_usage, s.text_of(ask)))
 
     async def completions(request: Request) -> Any:
         body = await _body(s, request)
         ask = openai_api.parse_completion(body, s.tokenizer, vocab_size=s.vocab_size)
         return Answer(s, "/v1/completions", ask,
-                      CompletionFormat(s.model_name, ask.n, ask.include_usage))
+                      CompletionFormat(s.model_name, ask.n, ask.include_usage, s.text_of(ask)))
 
     async def messages(request: Request) -> Any:
         body = await _body(s, request)

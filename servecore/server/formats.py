@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from servecore.server import anthropic_api, openai_api
@@ -44,19 +45,29 @@ class ChatFormat:
 
     keepalive = b": keep-alive\n\n"
 
-    def __init__(self, model: str, n: int, include_usage: bool):
+    def __init__(self, model: str, n: int, include_usage: bool,
+                 text_of: Callable[[int], str] | None = None):
         self.model, self.n, self.include_usage = model, n, include_usage
+        self.text_of = text_of  # a token's text; given: the call asked for logprobs
         self.id, self.created = openai_api.new_id("chatcmpl"), int(time.time())
         self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}  # choice -> its text so far (completions)
 
     def error(self, e: APIError) -> dict[str, Any]:
         """The error object of this API."""
         return e.openai()
 
     def complete(self, texts: list[str], finish: list[str | None], stops: list[str | None],
-                 usage: Usage) -> dict[str, Any]:
-        """The whole answer: each choice's text, finish reason and stop string."""
-        return openai_api.chat_response(self.id, self.model, texts, finish, usage)
+                 usage: Usage, entries: list[list] | None = None) -> dict[str, Any]:
+        """The whole answer: each choice's text, finish reason and stop string (``entries``:
+        each choice's ``(token, TokenLogprobs)``)."""
+        return openai_api.chat_response(self.id, self.model, texts, finish, usage,
+                                        self._logprobs(entries))
+
+    def _logprobs(self, entries):
+        if self.text_of is None or entries is None:
+            return None
+        return [openai_api.chat_logprobs(e, self.text_of) for e in entries]
 
     def head(self) -> list[bytes]:
         """The events a stream opens with."""
@@ -68,15 +79,17 @@ class ChatFormat:
         if p.index not in self._started:  # each choice opens with its role
             self._started.add(p.index)
             out.append(sse(self._chunk(p.index, {"role": "assistant", "content": ""})))
-        if p.text:
-            out.append(sse(self._chunk(p.index, {"content": p.text})))
+        if p.text or (p.logprobs and self.text_of is not None):
+            lp = (openai_api.chat_logprobs(p.logprobs, self.text_of)
+                  if self.text_of is not None else None)
+            out.append(sse(self._chunk(p.index, {"content": p.text}, logprobs=lp)))
         if p.finish_reason is not None:
             out.append(sse(self._chunk(p.index, {}, p.finish_reason)))
         return out
 
-    def _chunk(self, index, delta, finish=None, usage=None):
+    def _chunk(self, index, delta, finish=None, usage=None, logprobs=None):
         return openai_api.chat_chunk(self.id, self.model, self.created, index, delta, finish,
-                                     usage)
+                                     usage, logprobs)
 
     def tail(self, usage: Usage) -> list[bytes]:
         """The events a stream ends with."""
@@ -95,20 +108,29 @@ class CompletionFormat(ChatFormat):
     []
     """
 
-    def __init__(self, model: str, n: int, include_usage: bool):
-        super().__init__(model, n, include_usage)
+    def __init__(self, model: str, n: int, include_usage: bool,
+                 text_of: Callable[[int], str] | None = None):
+        super().__init__(model, n, include_usage, text_of)
         self.id = openai_api.new_id("cmpl")
 
-    def complete(self, texts, finish, stops, usage):
+    def complete(self, texts, finish, stops, usage, entries=None):
         """The whole answer: each choice's text, finish reason and stop string."""
-        return openai_api.completion_response(self.id, self.model, texts, finish, usage)
+        lps = None
+        if self.text_of is not None and entries is not None:
+            lps = [openai_api.completion_logprobs(e, self.text_of) for e in entries]
+        return openai_api.completion_response(self.id, self.model, texts, finish, usage, lps)
 
     def piece(self, p: Piece, usage: Usage | None = None) -> list[bytes]:
         """The events of one piece of text (``usage``: the call's so far)."""
-        if not p.text and p.finish_reason is None:
+        lp = None
+        if self.text_of is not None:
+            at = self._offsets.get(p.index, 0)
+            lp = openai_api.completion_logprobs(p.logprobs, self.text_of, at)
+            self._offsets[p.index] = at + sum(len(t) for t in lp["tokens"])
+        if not p.text and p.finish_reason is None and not p.logprobs:
             return []
         return [sse(openai_api.completion_chunk(self.id, self.model, self.created, p.index,
-                                                p.text, p.finish_reason))]
+                                                p.text, p.finish_reason, logprobs=lp))]
 
     def tail(self, usage: Usage) -> list[bytes]:
         """The events a stream ends with."""
@@ -140,7 +162,7 @@ class MessagesFormat:
         """The error object of this API."""
         return e.anthropic()
 
-    def complete(self, texts, finish, stops, usage):
+    def complete(self, texts, finish, stops, usage, entries=None):
         """The whole answer: each choice's text, finish reason and stop string."""
         return anthropic_api.message_response(
             self.id, self.model, texts[0], anthropic_api.stop_reason(finish[0], stops[0]),

@@ -53,6 +53,7 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     prompt_field: str = "prompt"  # what the API calls the prompt ("messages" in a chat)
+    logprobs: int | None = None  # None, or k: each token's log-probability and k others'
 
     @property
     def num_choices(self) -> int:
@@ -72,6 +73,8 @@ class Piece(NamedTuple):
     text: str
     finish_reason: str | None = None
     stop: str | None = None  # the stop string that ended it
+    # with Ask.logprobs: (token id, servecore.engine.TokenLogprobs) of each token it brings
+    logprobs: tuple = ()
 
 
 @dataclasses.dataclass
@@ -128,7 +131,8 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
         worker.reserve(1, force=force)
         seed = None if ask.seed is None else (ask.seed + i) % 2**31
         worker.submit(gen, choice, ask.prompts[prompt], ask.max_tokens,
-                      temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed)
+                      temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed,
+                      logprobs=ask.logprobs)
         submitted.add(choice)
 
     try:
@@ -178,14 +182,15 @@ def _take(ev: Event, choice: int, text: TextStream, counts: list[int], ask: Ask,
     if ev.token is None:  # ended without a token (cancelled elsewhere)
         return Piece(choice, text.finish(), "stop")
     counts[choice] += 1
-    if ev.finished and ev.token in eos:
+    if ev.finished and ev.token in eos:  # the EOS token is not part of the answer
         return Piece(choice, text.finish(), "stop")
     piece = text.add(ev.token)
-    if text.stopped:
+    if text.stopped:  # the token that completed a stop string is not part of it either
         if not ev.finished:
             worker.cancel_choice(gen, choice)
         return Piece(choice, piece, "stop", text.matched)
+    lp = ((ev.token, ev.logprobs),) if ev.logprobs is not None else ()
     if ev.finished:
         return Piece(choice, piece + text.finish(),
-                     "length" if counts[choice] >= ask.max_tokens else "stop")
-    return Piece(choice, piece)
+                     "length" if counts[choice] >= ask.max_tokens else "stop", logprobs=lp)
+    return Piece(choice, piece, logprobs=lp)

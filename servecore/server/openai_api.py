@@ -5,8 +5,9 @@ Fields read: ``model``, ``messages`` / ``prompt`` (text, a list of texts, token 
 token-id lists), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, ``stop``, ``n``, ``stream``, ``stream_options.include_usage``. Fields the
 server does not implement (``tools``, ``response_format`` other than text, penalties,
-``logit_bias``, ``logprobs``, ...) are accepted only at their defaults; any other field is a
-400 naming it.
+``logit_bias``, ...) are accepted only at their defaults; any other field is a 400 naming it.
+``logprobs`` (chat: ``logprobs`` and ``top_logprobs`` up to 20; completions: ``logprobs`` up
+to 5) gives each token's log-probability and its most likely alternatives'.
 
 >>> from servecore.testing import word_tokenizer
 >>> ask = parse_completion({"model": "m", "prompt": "w7 w8", "max_tokens": 3, "n": 2},
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from servecore.prompts import encode_prompt
@@ -29,6 +31,8 @@ from servecore.server.generation import Ask, Usage
 __all__ = ["parse_chat", "parse_completion"]
 
 MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs
 MAX_STOP = 4
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -58,8 +62,7 @@ def _common(f: Fields, ask: Ask, max_tokens: int) -> Ask:
         o.ignored("include_obfuscation")
         o.finish()
     for name, defaults in (("frequency_penalty", (0, 0.0)), ("presence_penalty", (0, 0.0)),
-                           ("logit_bias", ({},)), ("logprobs", (False,)),
-                           ("top_logprobs", (0,)), ("tools", ([],)), ("functions", ([],)),
+                           ("logit_bias", ({},)), ("tools", ([],)), ("functions", ([],)),
                            ("tool_choice", ("none",)), ("function_call", ("none",)),
                            ("response_format", ({"type": "text"},)),
                            ("parallel_tool_calls", (True, False)), ("best_of", (1,)),
@@ -101,6 +104,11 @@ def parse_chat(body: Any, tokenizer: Any, *, vocab_size: int, max_tokens: int = 
         max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     f.seen.add("max_completion_tokens")
     ask = _common(f, Ask([tokens], prompt_field="messages"), max_tokens)
+    top = f.integer("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if f.boolean("logprobs", False):
+        ask.logprobs = top or 0
+    elif top:
+        raise f.fail("top_logprobs", "top_logprobs needs logprobs=true")
     f.finish()
     return ask
 
@@ -168,6 +176,7 @@ def parse_completion(body: Any, tokenizer: Any, *, vocab_size: int,
             raise f.fail("prompt", "a token-id prompt must be a list of integers")
         prompts.append(_encode("prompt", p, tokenizer, vocab_size))
     ask = _common(f, Ask(prompts), max_tokens)
+    ask.logprobs = f.integer("logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
     f.finish()
     return ask
 
@@ -184,25 +193,63 @@ def new_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:24]}"
 
 
+def chat_logprobs(entries: Sequence[tuple[int, Any]], text_of: Callable[[int], str]
+                  ) -> dict[str, Any]:
+    """Chat's ``logprobs`` object of ``(token id, TokenLogprobs)`` entries (``text_of``: a
+    token's text).
+
+    >>> from servecore.engine import TokenLogprobs
+    >>> lp = chat_logprobs([(5, TokenLogprobs(-0.25, ((5, -0.25),)))], lambda t: f"w{t}")
+    >>> lp["content"][0]["token"], lp["content"][0]["top_logprobs"][0]["logprob"]
+    ('w5', -0.25)
+    """
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(t, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]}
+                        for t, lp in entries], "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[tuple[int, Any]], text_of: Callable[[int], str],
+                        offset: int = 0) -> dict[str, Any]:
+    """The completions API's ``logprobs`` object (``offset``: where the first token's text
+    starts in the choice's text).
+
+    >>> from servecore.engine import TokenLogprobs
+    >>> lp = completion_logprobs([(5, TokenLogprobs(-0.25, ((5, -0.25),)))], lambda t: f"w{t}")
+    >>> lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]
+    (['w5'], [-0.25], [{'w5': -0.25}], [0])
+    """
+    texts = [text_of(t) for t, _ in entries]
+    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{text_of(i): v for i, v in lp.top} for _, lp in entries],
+            "text_offset": offsets}
+
+
 def chat_response(rid: str, model: str, texts: list[str], finish: list[str | None],
-                  usage: Usage) -> dict[str, Any]:
-    """A complete ``chat.completion`` object."""
+                  usage: Usage, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """A complete ``chat.completion`` object (``logprobs``: each choice's, or None)."""
+    logprobs = logprobs or [None] * len(texts)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": model, "system_fingerprint": None,
             "choices": [{"index": i, "message": {"role": "assistant", "content": t,
                                                  "refusal": None},
-                         "logprobs": None, "finish_reason": f}
-                        for i, (t, f) in enumerate(zip(texts, finish, strict=True))],
+                         "logprobs": lp, "finish_reason": f}
+                        for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs,
+                                                           strict=True))],
             "usage": usage_object(usage)}
 
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict[str, Any],
-               finish: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+               finish: str | None = None, usage: Usage | None = None,
+               logprobs: Any = None) -> dict[str, Any]:
     """One ``chat.completion.chunk`` (``index`` None: the usage chunk, no choices)."""
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": model, "system_fingerprint": None, "choices": []}
     if index is not None:
-        out["choices"] = [{"index": index, "delta": delta, "logprobs": None,
+        out["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
                            "finish_reason": finish}]
     if usage is not None:
         out["usage"] = usage_object(usage)
@@ -210,22 +257,25 @@ def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict[str, 
 
 
 def completion_response(rid: str, model: str, texts: list[str], finish: list[str | None],
-                        usage: Usage) -> dict[str, Any]:
-    """A complete ``text_completion`` object."""
+                        usage: Usage, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """A complete ``text_completion`` object (``logprobs``: each choice's, or None)."""
+    logprobs = logprobs or [None] * len(texts)
     return {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": model, "system_fingerprint": None,
-            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                        for i, (t, f) in enumerate(zip(texts, finish, strict=True))],
+            "choices": [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                        for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs,
+                                                           strict=True))],
             "usage": usage_object(usage)}
 
 
 def completion_chunk(rid: str, model: str, created: int, index: int | None, text: str = "",
-                     finish: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+                     finish: str | None = None, usage: Usage | None = None,
+                     logprobs: Any = None) -> dict[str, Any]:
     """One streamed ``text_completion`` (``index`` None: the usage chunk, no choices)."""
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
                            "model": model, "system_fingerprint": None, "choices": []}
     if index is not None:
-        out["choices"] = [{"index": index, "text": text, "logprobs": None,
+        out["choices"] = [{"index": index, "text": text, "logprobs": logprobs,
                            "finish_reason": finish}]
     if usage is not None:
         out["usage"] = usage_object(usage)

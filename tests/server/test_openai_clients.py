@@ -6,6 +6,7 @@ mlx-lm and the cache-free model)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -230,3 +231,75 @@ def test_a_full_queue_is_a_429_and_then_serves(srv):
         worker.max_waiting = limit
     assert httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "w5",
                                                          "max_tokens": 2}).status_code == 200
+
+
+class _FakeEngine:
+    """``servecore.testing.FakeCore`` behind ``Streams``: tokens and log-probabilities
+    without a model (``fake_logprobs``: the token at -0.5, the next ids at -1.5, ...)."""
+
+    def __init__(self):
+        from servecore.requests import RequestBuilder
+        from servecore.streams import Streams
+        from servecore.testing import FakeCore, word_tokenizer
+
+        self.tokenizer = word_tokenizer(32)
+        self.streams = Streams(FakeCore(vocab_size=32),
+                               RequestBuilder(vocab_size=32, tokenizer=self.tokenizer))
+
+
+def test_logprobs_in_the_shapes_of_both_openai_apis():
+    with serving(_FakeEngine()) as fake:
+        client = fake.openai()
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "w17"}], max_tokens=3,
+                   temperature=0, logprobs=True, top_logprobs=2)
+        whole = client.chat.completions.create(**ask)
+        content = whole.choices[0].logprobs.content
+        words = whole.choices[0].message.content.split(" ")
+        assert [c.token for c in content] == words and len(words) == 3
+        assert [c.logprob for c in content] == [-0.5] * 3
+        assert [[t.logprob for t in c.top_logprobs] for c in content] == [[-0.5, -1.5]] * 3
+        assert content[0].top_logprobs[0].token == words[0]
+        chunks = [c for c in client.chat.completions.create(**ask, stream=True)
+                  if c.choices and c.choices[0].logprobs]
+        assert [t.token for c in chunks for t in c.choices[0].logprobs.content] == words
+        plain = client.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+        assert plain.choices[0].logprobs is None
+        out = client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, logprobs=1,
+                                        temperature=0)
+        lp = out.choices[0].logprobs
+        assert "".join(lp.tokens).replace("w", " w").strip() == out.choices[0].text
+        assert lp.token_logprobs == [-0.5] * 3 and len(lp.top_logprobs) == 3
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        for body, param in (({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+                            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+            r = httpx.post(fake.url + "/v1/chat/completions", json={**ask, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+        r = httpx.post(fake.url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "w5", "logprobs": 6})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_a_stream_sends_keepalives_while_the_prompt_is_prefilled():
+    from servecore.testing import FakeCore
+
+    class SlowPrefill(FakeCore):  # the first round (the prefill) takes 0.4 s
+        slow = True
+
+        def run_round(self, emit):
+            if self.slow:
+                self.slow = False
+                time.sleep(0.4)
+            return super().run_round(emit)
+
+    fake = _FakeEngine()
+    fake.streams.core = SlowPrefill(vocab_size=32)
+    with serving(fake, keepalive=0.05) as srv:
+        body = {"model": MODEL, "prompt": "w5", "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        first = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+        assert first >= 3 and all(line == ": keep-alive" for line in lines[:first])
+        assert lines[-1] == "data: [DONE]"
+        streamed = srv.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2,
+                                                   stream=True)
+        assert len([c for c in streamed if c.choices]) >= 2  # the client skips comments
