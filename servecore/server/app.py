@@ -280,10 +280,13 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
     """
     server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive)
 
+    routes = {r.path for r in _routes(server)}
+
     async def api_error(request: Request, e: APIError) -> Response:
         if e.status >= 500:
             log.error("%s %s: %s", request.method, request.url.path, e.message)
-        server.metrics.request(request.url.path, e.status)
+        path = request.url.path  # (a label per route, not per path a client made up)
+        server.metrics.request(path if path in routes else "other", e.status)
         return JSONResponse(_shape(request.url.path, e), status_code=e.status)
 
     async def http_error(request: Request, e: HTTPException) -> Response:

@@ -158,10 +158,17 @@ class EngineWorker:
                 if kind == "stop":
                     self._abort_all(APIError(503, "the server is shutting down"))
                     return
-                if kind == "submit":
-                    self._submit(gen, *arg)
-                else:
-                    self._cancel(gen, arg)
+                try:
+                    if kind == "submit":
+                        self._submit(gen, *arg)
+                    else:
+                        self._cancel(gen, arg)
+                except Exception as e:  # a fault, not the request's: it alone fails
+                    log.exception("a %s job failed", kind)
+                    if kind == "submit" and arg[0] not in gen.rids:
+                        self._started()  # its reservation
+                    gen.put(arg[0] if kind == "submit" else 0,
+                            APIError(500, f"the engine failed: {e!r}"))
             if self._live:
                 self._round()
 

@@ -303,3 +303,25 @@ def test_a_stream_sends_keepalives_while_the_prompt_is_prefilled():
         streamed = srv.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2,
                                                    stream=True)
         assert len([c for c in streamed if c.choices]) >= 2  # the client skips comments
+
+
+def test_a_fault_of_the_engine_is_a_500_and_the_server_goes_on():
+    fake = _FakeEngine()
+    with serving(fake) as srv:
+        client = srv.openai()
+        fake.streams.core.fail_next = True  # the next round drops what it serves and raises
+        r = httpx.post(srv.url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "w5", "max_tokens": 3})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "the engine failed" in r.json()["error"]["message"]
+        fake.streams.core.fail_next = True
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "w5"}],
+                "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert s.status_code == 200 and '"server_error"' in events[-2]
+        assert events[-1] == "data: [DONE]"
+        out = client.completions.create(model=MODEL, prompt="w5", max_tokens=3)
+        assert out.choices[0].finish_reason == "length" and len(out.choices[0].text.split()) == 3
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        assert srv.server.worker.running == 0 and srv.server.worker.waiting == 0
