@@ -21,7 +21,8 @@ import jax
 from hybridattn.demo import _use_compilation_cache, demo_config
 from hybridattn.engine import Engine
 from hybridattn.models import kimi_linear as M
-from servecore.server.cli import add_server_args, run
+from servecore.server import cli
+from servecore.server.cli import add_server_args
 
 __all__ = ["build_engine", "main", "parser"]
 
@@ -51,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
-    """The engine the flags describe."""
+    """The engine the flags describe (its compilations cached on disk, as the demo's)."""
+    _use_compilation_cache()
     if args.model:
         tokenizer = M.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
         if tokenizer is None:
@@ -75,18 +77,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and serve until interrupted."""
-    p = parser()
-    args = p.parse_args(argv)
-    if args.model and args.served_model_name == "hybridattn-demo":
-        args.served_model_name = args.model.rstrip("/").rsplit("/", 1)[-1]
-    _use_compilation_cache()
-    try:
-        engine = build_engine(args)
-    except (ValueError, TypeError, OSError) as e:
-        p.error(str(e))
-    run(engine, args)
-    return 0
+    """Parse ``argv`` and serve until interrupted (``servecore.server.cli.main``)."""
+    return cli.main(parser(), build_engine, argv)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ included)::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from servecore.server.cli import add_server_args, run
+from servecore.server import cli
+from servecore.server.cli import add_server_args
 
 __all__ = ["build_engine", "main", "parser"]
 
@@ -33,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--num-snapshots", type=int, default=None)
     e.add_argument("--snapshot-interval", type=int, default=256)
-    add_server_args(p, default_name="")
+    add_server_args(p, default_name="mlx-model")
     return p
 
 
@@ -43,6 +45,9 @@ def build_engine(args: argparse.Namespace):
 
     from mlxcache import Engine
 
+    if not os.path.isdir(args.model):  # (mlx_lm.load would look for it on the hub)
+        raise ValueError(f"--model {args.model!r} is not a directory: give a local mlx-lm "
+                         "model directory (config.json, *.safetensors, tokenizer)")
     model, tokenizer = mlx_lm.load(args.model)
     return Engine(model, tokenizer, num_slots=args.num_slots, page_size=args.page_size,
                   mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size,
@@ -52,17 +57,8 @@ def build_engine(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and serve until interrupted."""
-    p = parser()
-    args = p.parse_args(argv)
-    if not args.served_model_name:
-        args.served_model_name = args.model.rstrip("/").rsplit("/", 1)[-1]
-    try:
-        engine = build_engine(args)
-    except (ValueError, TypeError, OSError) as e:
-        p.error(str(e))
-    run(engine, args)
-    return 0
+    """Parse ``argv`` and serve until interrupted (``servecore.server.cli.main``)."""
+    return cli.main(parser(), build_engine, argv)
 
 
 if __name__ == "__main__":

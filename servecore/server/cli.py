@@ -12,11 +12,12 @@ own flags and running the app under uvicorn.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from servecore.server.app import create_app
 
-__all__ = ["add_server_args", "run"]
+__all__ = ["add_server_args", "main", "run"]
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> None:
@@ -31,7 +32,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     g.add_argument("--served-model-name", default=default_name,
-                   help=f"the model name clients send and see (default {default_name!r})")
+                   help="the model name clients send and see (default: the --model "
+                   f"directory's name, else {default_name!r})")
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for their first token before more get 429")
     g.add_argument("--keepalive", type=float, default=10.0,
@@ -56,3 +58,28 @@ def run(engine: Any, args: argparse.Namespace) -> None:
                     timeout_graceful_shutdown=5)
     finally:
         engine.close()
+
+
+def main(parser: argparse.ArgumentParser, build_engine: Callable[[Any], Any],
+         argv: list[str] | None = None) -> int:
+    """A serve command: parse ``argv`` with ``parser`` (which has ``add_server_args``' flags
+    and ``--model``), build the engine (``build_engine(args)``; a ``ValueError``,
+    ``TypeError`` or ``OSError`` is a usage error naming the problem) and serve it.
+
+    >>> p = argparse.ArgumentParser(prog="serve")
+    >>> add_server_args(p, default_name="m")
+    >>> _ = p.add_argument("--model")
+    >>> main(p, lambda args: (_ for _ in ()).throw(OSError("no such directory")), [])
+    Traceback (most recent call last):
+    ...
+    SystemExit: 2
+    """
+    args = parser.parse_args(argv)
+    if args.model and args.served_model_name == parser.get_default("served_model_name"):
+        args.served_model_name = args.model.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        engine = build_engine(args)
+    except (ValueError, TypeError, OSError) as e:
+        parser.error(str(e))
+    run(engine, args)
+    return 0

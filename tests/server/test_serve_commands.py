@@ -1,0 +1,66 @@
+"""``python -m hybridattn.serve`` as a user starts it on a fresh clone (the built-in demo model
+and its word tokenizer), called with the ``openai`` client; ``python -m mlxcache.serve`` runs in
+the server benchmark's test (tests/mlxcache/test_bench_server.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError("the server did not come up")
+
+
+def test_the_hybridattn_demo_server_answers_the_openai_client():
+    openai = pytest.importorskip("openai")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hybridattn.serve", "--port", str(port), "--max-running", "2",
+           "--max-context-len", "64", "--num-token-slots", "129", "--chunked-prefill", "32",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["hybridattn-demo"]
+        chat = [{"role": "user", "content": "w5 w6 w7"}]
+        out = client.chat.completions.create(model="hybridattn-demo", messages=chat,
+                                             max_tokens=6, temperature=0)
+        words = out.choices[0].message.content.split(" ")
+        assert len(words) == 6 and all(w.startswith("w") for w in words)
+        again = client.chat.completions.create(model="hybridattn-demo", messages=chat,
+                                               max_tokens=6, temperature=0)
+        assert again.choices[0].message.content == out.choices[0].message.content
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        proc.terminate()
+        try:  # SIGTERM: uvicorn shuts down, then exits by the signal it caught
+            assert proc.wait(30) in (0, -15)
+            out = proc.stdout.read()
+            assert "Traceback" not in out, out
+        finally:
+            proc.kill()
