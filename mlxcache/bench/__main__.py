@@ -1,17 +1,26 @@
-"""``python -m mlxcache.bench [--json] [--quick]``: run the benchmark (see ``mlxcache.bench``)."""
+"""``python -m mlxcache.bench [--json] [--quick]``: run the benchmark (see ``mlxcache.bench``);
+``python -m mlxcache.bench server [--quick] [--json PATH]``: the HTTP servers' (see
+``mlxcache.bench.server``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import mlxcache.bench
+from mlxcache.bench import server
 from mlxcache.bench.report import format_table
 from mlxcache.bench.tables import run
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags, run every table, print them (or their JSON)."""
+    """Parse the flags, run every table, print them (or their JSON); ``server`` first runs
+    the server benchmark instead (its own flags)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["server"]:
+        server.main(argv[1:])
+        return
     parser = argparse.ArgumentParser(description=mlxcache.bench.__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")

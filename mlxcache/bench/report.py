@@ -1,4 +1,5 @@
-"""The benchmark's result as text tables."""
+"""The benchmarks' results as text tables: ``format_table`` (``python -m mlxcache.bench``)
+and ``format_server_table`` (``python -m mlxcache.bench server``)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,44 @@ def format_table(r: dict) -> str:
     lines.append(f"  {'pool slots':>10}{'linear us':>12}{'old pool held us':>18}")
     for s in r["set_kv"]:
         lines.append(f"  {s['slots']:>10}{s['linear_us']:>12.1f}{s['held_us']:>18.1f}")
+    return "\n".join(lines)
+
+
+_SERVER_ROWS = (  # (label, key, scale, format)
+    ("wall s", "wall_s", 1.0, "{:.2f}"),
+    ("mean TTFT ms", "ttft_mean_s", 1e3, "{:.1f}"),
+    ("p90 TTFT ms", "ttft_p90_s", 1e3, "{:.1f}"),
+    ("prompt tokens", "prompt_tokens", 1, "{:d}"),
+    ("prompt tokens computed", "computed_tokens", 1, "{:d}"),
+)
+
+
+def _server_cell(figures: dict, key: str, scale: float, fmt: str) -> str:
+    if "error" in figures:
+        return "error"
+    value = figures[key]
+    return "n/a" if value is None else fmt.format(value * scale if scale != 1 else value)
+
+
+def format_server_table(r: dict) -> str:
+    """``python -m mlxcache.bench server``'s result: per model and workload, each server's
+    figures side by side, the ratio ours / anchor, whether the greedy answers agree."""
+    ours, anchor = r["servers"]
+    lines = [f"server benchmark{' (--quick)' if r['quick'] else ''}: {ours} vs {anchor}; "
+             f"ratio = {ours} / {anchor}"]
+    for family, m in r["models"].items():
+        lines.append(f"model: {family} ({', '.join(m['caches'])})")
+        for w in m["workloads"].values():
+            lines.append(f"{w['title']}: {w['requests']} requests")
+            lines.append(f"  {'':<24}{ours:>16}{anchor:>16}{'ratio':>9}")
+            for label, key, scale, fmt in _SERVER_ROWS:
+                cells = [_server_cell(w["servers"][s], key, scale, fmt) for s in (ours, anchor)]
+                ratio = w.get("ratios", {}).get(key)
+                lines.append(f"  {label:<24}{cells[0]:>16}{cells[1]:>16}"
+                             + (f"{ratio:>8.2f}x" if ratio is not None else ""))
+            if "agree" in w:
+                lines.append(f"  {'greedy answers agree':<24}{w['agree']}/{w['total']:<13}")
+            for s in (ours, anchor):
+                if "error" in w["servers"][s]:
+                    lines.append(f"  {s} error: {w['servers'][s]['error']}")
     return "\n".join(lines)
