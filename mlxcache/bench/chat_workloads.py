@@ -126,14 +126,17 @@ def regen_edit(conversations: int = 4, system_words: int = 256, history_turns: i
                     (tuple(convs),), max_tokens)
 
 
-def all_workloads(quick: bool = False) -> list[Workload]:
-    """The three workloads at full size, or (``quick``) a smoke run's.
+def all_workloads(quick: bool = False, seed: int = 0) -> list[Workload]:
+    """The three workloads at full size, or (``quick``) a smoke run's; another ``seed``
+    gives other words (a repeat that no cache has seen).
 
     >>> [w.requests for w in all_workloads()], [w.requests for w in all_workloads(True)]
     ([16, 40, 16], [4, 4, 6])
     """
     if quick:
-        return [shared_system(users=4, waves=2, system_words=128, user_words=8),
-                multi_turn(sessions=2, turns=2, system_words=16, user_words=16, max_tokens=8),
-                regen_edit(conversations=2, system_words=64, history_turns=1, edits=1)]
-    return [shared_system(), multi_turn(), regen_edit()]
+        return [shared_system(users=4, waves=2, system_words=128, user_words=8, seed=seed + 1),
+                multi_turn(sessions=2, turns=2, system_words=16, user_words=16, max_tokens=8,
+                           seed=seed + 2),
+                regen_edit(conversations=2, system_words=64, history_turns=1, edits=1,
+                           seed=seed + 3)]
+    return [shared_system(seed=seed + 1), multi_turn(seed=seed + 2), regen_edit(seed=seed + 3)]

@@ -65,11 +65,12 @@ def format_table(r: dict) -> str:
 
 
 _SERVER_ROWS = (  # (label, key, scale, format)
-    ("wall s", "wall_s", 1.0, "{:.2f}"),
+    ("wall s", "wall_s", 1.0, "{:.3f}"),
     ("mean TTFT ms", "ttft_mean_s", 1e3, "{:.1f}"),
     ("p90 TTFT ms", "ttft_p90_s", 1e3, "{:.1f}"),
-    ("prompt tokens", "prompt_tokens", 1, "{:d}"),
-    ("prompt tokens computed", "computed_tokens", 1, "{:d}"),
+    ("decode ms/token", "decode_s_per_token", 1e3, "{:.2f}"),
+    ("prompt tokens", "prompt_tokens", 1, "{:,.0f}"),
+    ("prompt tokens computed", "computed_tokens", 1, "{:,.0f}"),
 )
 
 
@@ -77,14 +78,17 @@ def _server_cell(figures: dict, key: str, scale: float, fmt: str) -> str:
     if "error" in figures:
         return "error"
     value = figures[key]
-    return "n/a" if value is None else fmt.format(value * scale if scale != 1 else value)
+    if value is None:
+        return "n/a"
+    return fmt.format(value * scale)
 
 
 def format_server_table(r: dict) -> str:
     """``python -m mlxcache.bench server``'s result: per model and workload, each server's
     figures side by side, the ratio ours / anchor, whether the greedy answers agree."""
     ours, anchor = r["servers"]
-    lines = [f"server benchmark{' (--quick)' if r['quick'] else ''}: {ours} vs {anchor}; "
+    lines = [f"server benchmark{' (--quick)' if r['quick'] else ''}: {ours} vs {anchor}, "
+             f"medians of {r['repeats']} round{'s' * (r['repeats'] != 1)}; "
              f"ratio = {ours} / {anchor}"]
     for family, m in r["models"].items():
         lines.append(f"model: {family} ({', '.join(m['caches'])})")
@@ -97,7 +101,8 @@ def format_server_table(r: dict) -> str:
                 lines.append(f"  {label:<24}{cells[0]:>16}{cells[1]:>16}"
                              + (f"{ratio:>8.2f}x" if ratio is not None else ""))
             if "agree" in w:
-                lines.append(f"  {'greedy answers agree':<24}{w['agree']}/{w['total']:<13}")
+                agree = f"{w['agree']}/{w['total']}"
+                lines.append(f"  {'greedy answers agree':<24}{agree:>16}")
             for s in (ours, anchor):
                 if "error" in w["servers"][s]:
                     lines.append(f"  {s} error: {w['servers'][s]['error']}")

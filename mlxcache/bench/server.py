@@ -1,20 +1,24 @@
-"""``python -m mlxcache.bench server [--quick] [--json PATH] [--families ...]``: the same chat
-workloads sent through the ``openai`` client to ``python -m mlxcache.serve`` and to mlx-lm's
-own ``mlx_lm.server`` (the anchor), each a real subprocess on 127.0.0.1.
+"""``python -m mlxcache.bench server [--quick] [--json PATH] [--repeats N] [--families ...]``:
+the same chat workloads sent through the ``openai`` client to ``python -m mlxcache.serve``
+and to mlx-lm's own ``mlx_lm.server`` (the anchor), each a real subprocess on 127.0.0.1.
 
 For each family (``llama``: ``KVCache``; ``qwen3_next``: hybrid, gated-delta ``ArraysCache``
 layers and a full-attention layer; ``gemma3_text``: a sliding window of ``zoo.SLIDING_WINDOW``
 tokens and a global layer) ``zoo.save_checkpoint`` writes the tiny random model and the word
-tokenizer into a temporary directory; both servers load it, each answers one warm-up request,
-then every workload of ``chat_workloads`` runs on one server and then the other (each server
-keeps its own prompt cache; the workloads share no prompts). Every request is a streamed
-chat completion at temperature 0 with ``stream_options.include_usage``. Per workload and
-server: the total wall time, mean and p90 TTFT (send to first content chunk), the prompt
-tokens, the prompt tokens computed (``usage.prompt_tokens`` minus
+tokenizer into a temporary directory; both servers load it and answer one warm-up request
+each, then ``--repeats`` rounds (3; 1 with ``--quick``) run every workload of
+``chat_workloads``, with fresh words each round, on one server and then the other (the order
+alternates from round to round, so a busy spell on a shared machine slows both alike; each
+server keeps its own prompt cache; no two workloads or rounds share a prompt). Every request
+is a streamed chat completion at temperature 0 with ``stream_options.include_usage``. Per
+workload and server, medians over the rounds: the total wall time, mean and p90 TTFT (send
+to first content chunk), the mean time per output token after the first, the prompt tokens,
+and the prompt tokens computed (``usage.prompt_tokens`` minus
 ``usage.prompt_tokens_details.cached_tokens``, summed; "n/a" where a server reports no cached
-count), and how many greedy answers equal the other server's. Ratios are ours / anchor (below
-1 is better for time and computed tokens). A server that cannot start or serve a workload is
-an error in its column; the run goes on.
+count); over all rounds, how many greedy answers equal the other server's. Ratios are ours /
+anchor (below 1 is better): times as medians of the per-round ratios (paired), computed
+tokens as the ratio of the medians. A server that cannot start or serve a workload is an
+error in its column; the run goes on.
 
 Example:
     $ python -m mlxcache.bench server --quick
@@ -40,7 +44,7 @@ from mlxcache.bench.chat_workloads import Step, Workload, all_workloads, words
 from mlxcache.bench.processes import anchor_command, free_port, launch, ours_command
 from mlxcache.bench.report import format_server_table
 
-__all__ = ["FAMILIES", "OURS", "ANCHOR", "main", "run", "run_family"]
+__all__ = ["ANCHOR", "FAMILIES", "OURS", "main", "measure", "run", "run_family", "summarize"]
 
 FAMILIES = ("llama", "qwen3_next", "gemma3_text")
 OURS = "mlxcache.serve"
@@ -49,11 +53,14 @@ ANCHOR = "mlx_lm.server"
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """One streamed answer: its text, TTFT in seconds, and the usage it reported."""
+    """One streamed answer: its text, TTFT and the time after it in seconds, and the usage
+    it reported."""
 
     text: str
     ttft_s: float
+    decode_s: float
     prompt_tokens: int
+    completion_tokens: int
     cached_tokens: int | None
 
 
@@ -76,8 +83,10 @@ async def _ask(client: openai.AsyncOpenAI, model: str, messages: list[dict],
         raise RuntimeError("the stream ended without a usage chunk (include_usage)")
     details = usage.prompt_tokens_details
     cached = details.cached_tokens if details is not None else None
-    return Answer("".join(parts).strip(), time.perf_counter() - start if ttft is None else ttft,
-                  usage.prompt_tokens, cached)
+    total = time.perf_counter() - start
+    ttft = total if ttft is None else ttft
+    return Answer("".join(parts).strip(), ttft, total - ttft, usage.prompt_tokens,
+                  usage.completion_tokens, cached)
 
 
 async def _session(client, model: str, steps: tuple[Step, ...], max_tokens: int
@@ -119,22 +128,41 @@ def measure(url: str, model: str, workload: Workload) -> dict:
     ttfts = [a.ttft_s for a in answers]
     cached = [a.cached_tokens for a in answers]
     prompt = sum(a.prompt_tokens for a in answers)
+    later = [a.decode_s / (a.completion_tokens - 1) for a in answers if a.completion_tokens > 1]
     return {"wall_s": wall, "ttft_mean_s": statistics.fmean(ttfts), "ttft_p90_s": _p90(ttfts),
+            "decode_s_per_token": statistics.fmean(later) if later else 0.0,
             "prompt_tokens": prompt,
             "computed_tokens": None if None in cached else prompt - sum(cached),
             "answers": [a.text for a in answers]}
 
 
-def _compare(ours: dict, anchor: dict) -> dict:
-    out: dict = {}
-    if "error" in ours or "error" in anchor:
+TIMES = ("wall_s", "ttft_mean_s", "ttft_p90_s", "decode_s_per_token")
+COUNTS = ("prompt_tokens", "computed_tokens")
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Each server's runs of one workload (``runs[server]``, one per repeat) as one entry:
+    per server the median of every figure over the repeats; the greedy answers that agree
+    between the servers (all repeats); the ratios ours / anchor (times: medians of the
+    per-repeat ratios; computed tokens: of the medians)."""
+    servers: dict = {}
+    for name, rs in runs.items():
+        bad = [r for r in rs if "error" in r]
+        servers[name] = bad[0] if bad else {
+            k: (None if None in (vals := [r[k] for r in rs]) else statistics.median(vals))
+            for k in TIMES + COUNTS}
+    out: dict = {"servers": servers}
+    if any("error" in s for s in servers.values()):
         return out
-    pairs = list(zip(ours["answers"], anchor["answers"], strict=True))
-    out["agree"] = sum(a == b for a, b in pairs)
-    out["total"] = len(pairs)
-    ratios = {k: ours[k] / anchor[k] for k in ("wall_s", "ttft_mean_s", "ttft_p90_s")}
-    if ours["computed_tokens"] is not None and anchor["computed_tokens"]:
-        ratios["computed_tokens"] = ours["computed_tokens"] / anchor["computed_tokens"]
+    ours, anchor = runs[OURS], runs[ANCHOR]
+    pairs = [(a, b) for o, n in zip(ours, anchor, strict=True)
+             for a, b in zip(o["answers"], n["answers"], strict=True)]
+    out["agree"], out["total"] = sum(a == b for a, b in pairs), len(pairs)
+    ratios = {k: statistics.median(o[k] / n[k] for o, n in zip(ours, anchor, strict=True))
+              for k in TIMES if all(n[k] for n in anchor)}
+    c_ours, c_anchor = servers[OURS]["computed_tokens"], servers[ANCHOR]["computed_tokens"]
+    if c_ours is not None and c_anchor:
+        ratios["computed_tokens"] = c_ours / c_anchor
     out["ratios"] = ratios
     return out
 
@@ -145,45 +173,55 @@ def _warm_up(url: str, model: str) -> None:
     asyncio.run(_drive(url, model, Workload("warm", "warm", (((Step(tuple(messages)),),),), 4)))
 
 
-def run_family(family: str, workloads: list[Workload], workdir: pathlib.Path) -> dict:
-    """Both servers on ``family``'s tiny checkpoint, every workload on each in turn."""
+def _serve_both(family: str, model_dir: pathlib.Path, workdir: pathlib.Path,
+                stack: ExitStack) -> tuple[dict, str]:
+    """Start both servers on ``model_dir`` and warm them up: ``{name: Launched or None}``
+    and the anchor's error (the run goes on without an anchor that cannot start)."""
+    p1, p2 = free_port(), free_port()
+    ours = stack.enter_context(launch(ours_command(str(model_dir), p1, family), p1, family,
+                                      workdir / f"{family}-ours.log"))
+    _warm_up(ours.url, ours.model)
+    try:
+        anchor = stack.enter_context(launch(anchor_command(str(model_dir), p2), p2,
+                                            "default_model", workdir / f"{family}-anchor.log"))
+        _warm_up(anchor.url, anchor.model)
+    except Exception as e:
+        return {OURS: ours, ANCHOR: None}, f"{type(e).__name__}: {e}"[:300]
+    return {OURS: ours, ANCHOR: anchor}, ""
+
+
+def run_family(family: str, workdir: pathlib.Path, quick: bool = False,
+               repeats: int = 1) -> dict:
+    """Both servers on ``family``'s tiny checkpoint; ``repeats`` rounds, each the workloads
+    with fresh words, each workload on one server and then the other (the order alternates
+    from round to round)."""
     model_dir = workdir / family
     zoo.save_checkpoint(family, model_dir)
-    caches = list(zoo.cache_kinds(zoo.make(family)))
-    result: dict = {"caches": caches, "workloads": {}}
-    p1, p2 = free_port(), free_port()
+    result: dict = {"caches": list(zoo.cache_kinds(zoo.make(family))), "workloads": {}}
     with ExitStack() as stack:
-        ours = stack.enter_context(launch(ours_command(str(model_dir), p1, family), p1, family,
-                                          workdir / f"{family}-ours.log"))
-        _warm_up(ours.url, ours.model)
-        anchor, anchor_error = None, ""
-        try:  # if the anchor cannot start or serve, our column still runs
-            anchor = stack.enter_context(launch(anchor_command(str(model_dir), p2), p2,
-                                                "default_model",
-                                                workdir / f"{family}-anchor.log"))
-            _warm_up(anchor.url, anchor.model)
-        except Exception as e:
-            anchor, anchor_error = None, f"{type(e).__name__}: {e}"[:300]
-        for w in workloads:
-            result["workloads"][w.key] = _one(w, ours, anchor, anchor_error)
+        servers, anchor_error = _serve_both(family, model_dir, workdir, stack)
+        runs: dict[str, dict[str, list[dict]]] = {}
+        for r in range(repeats):
+            for w in all_workloads(quick, seed=1000 * r):
+                result["workloads"].setdefault(w.key, {"title": w.title,
+                                                       "requests": w.requests})
+                order = (OURS, ANCHOR) if r % 2 == 0 else (ANCHOR, OURS)
+                for name in order:
+                    s = servers[name]
+                    runs.setdefault(w.key, {OURS: [], ANCHOR: []})[name].append(
+                        measure(s.url, s.model, w) if s is not None
+                        else {"error": anchor_error})
+    for key, entry in result["workloads"].items():
+        entry.update(summarize(runs[key]))
     return result
 
 
-def _one(w: Workload, ours, anchor, anchor_error: str = "") -> dict:
-    servers = {OURS: measure(ours.url, ours.model, w),
-               ANCHOR: (measure(anchor.url, anchor.model, w) if anchor is not None
-                        else {"error": anchor_error})}
-    return {"title": w.title, "requests": w.requests, "servers": servers,
-            **_compare(servers[OURS], servers[ANCHOR])}
-
-
-def run(quick: bool = False, families: tuple[str, ...] = FAMILIES) -> dict:
+def run(quick: bool = False, families: tuple[str, ...] = FAMILIES, repeats: int = 1) -> dict:
     """Every family in ``families`` through both servers; the result ``format_server_table``
     prints."""
-    workloads = all_workloads(quick)
     with tempfile.TemporaryDirectory(prefix="mlxcache-bench-server-") as tmp:
-        models = {f: run_family(f, workloads, pathlib.Path(tmp)) for f in families}
-    return {"quick": quick, "servers": [OURS, ANCHOR], "models": models}
+        models = {f: run_family(f, pathlib.Path(tmp), quick, repeats) for f in families}
+    return {"quick": quick, "repeats": repeats, "servers": [OURS, ANCHOR], "models": models}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -193,8 +231,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds of every workload, fresh words each (default 3; 1 with --quick)")
     args = p.parse_args(argv)
-    result = run(args.quick, tuple(args.families))
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        p.error(f"--repeats {repeats} must be at least 1")
+    result = run(args.quick, tuple(args.families), repeats)
     print(format_server_table(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
