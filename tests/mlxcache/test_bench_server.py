@@ -1,0 +1,46 @@
+"""``python -m mlxcache.bench server --quick`` on llama, run as users run it: both servers
+start as subprocesses, the table has both columns, the greedy answers agree everywhere, and
+our server reports prompt tokens it did not compute (its prefix cache at work)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.mlx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_quick_server_bench_runs_both_servers_and_their_answers_agree(tmp_path):
+    out = tmp_path / "server.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxcache.bench", "server", "--quick", "--families", "llama",
+         "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    assert "mlxcache.serve" in table and "mlx_lm.server" in table, table
+    assert "error" not in table, table
+    result = json.loads(out.read_text())
+    workloads = result["models"]["llama"]["workloads"]
+    assert set(workloads) == {"shared_system", "multi_turn", "regen_edit"}
+    for key, w in workloads.items():
+        assert w["agree"] == w["total"] == w["requests"], (key, w)
+        ours, anchor = w["servers"]["mlxcache.serve"], w["servers"]["mlx_lm.server"]
+        assert ours["prompt_tokens"] == anchor["prompt_tokens"], key
+        assert f"{w['agree']}/{w['total']}" in table
+    shared = workloads["shared_system"]["servers"]["mlxcache.serve"]
+    assert 0 < shared["computed_tokens"] < shared["prompt_tokens"], shared
