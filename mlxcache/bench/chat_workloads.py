@@ -64,7 +64,7 @@ def words(rng: random.Random, n: int) -> str:
     """``n`` random words of the word tokenizer (``n`` tokens), no special tokens.
 
     >>> words(random.Random(0), 3)
-    'w55 w103 w12'
+    'w114 w55 w103'
     """
     return " ".join(f"w{rng.randrange(FIRST_WORD, VOCAB)}" for _ in range(n))
 

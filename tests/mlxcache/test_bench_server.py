@@ -4,6 +4,8 @@ our server reports prompt tokens it did not compute (its prefix cache at work)."
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import os
 import pathlib
@@ -20,6 +22,14 @@ pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.mlx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["mlxcache.bench.chat_workloads", "mlxcache.bench.processes",
+                                  "mlxcache.bench.server"])
+def test_the_server_bench_modules_examples_run(name):
+    # the bench is a program, not in tests/test_api_docs' API lists: its examples run here
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0 and (result.attempted > 0 or name.endswith("server")), result
 
 
 def test_the_quick_server_bench_runs_both_servers_and_their_answers_agree(tmp_path):
