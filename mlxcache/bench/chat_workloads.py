@@ -8,7 +8,8 @@ the next step (a multi-turn chat), otherwise the history stays as it was (a rege
 or an edit sends a fixed transcript). The three workloads:
 
 (a) ``shared_system``: users behind one long system prompt, each with a short message of
-    their own, arriving in concurrent waves;
+    their own, arriving in concurrent waves (waves of 4: 16 connections at once make
+    ``mlx_lm.server``, whose ``socketserver`` listen backlog is 5, drop some of them);
 (b) ``multi_turn``: sessions of several turns, each turn the previous prompt, its answer and
     a new message; the sessions run concurrently, their turns in order;
 (c) ``regen_edit``: conversations (a system prompt and a few finished turns) sent, then
