@@ -19,6 +19,9 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from mlxcache.bench.report import format_server_table  # noqa: E402
+from mlxcache.bench.server import ANCHOR, OURS, summarize  # noqa: E402
+
 pytestmark = pytest.mark.mlx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -54,3 +57,21 @@ def test_the_quick_server_bench_runs_both_servers_and_their_answers_agree(tmp_pa
         assert f"{w['agree']}/{w['total']}" in table
     shared = workloads["shared_system"]["servers"]["mlxcache.serve"]
     assert 0 < shared["computed_tokens"] < shared["prompt_tokens"], shared
+
+
+def test_a_server_that_fails_or_reports_no_cached_count_is_shown_not_guessed():
+    ok = {"wall_s": 1.0, "ttft_mean_s": 0.1, "ttft_p90_s": 0.2, "decode_s_per_token": 0.003,
+          "prompt_tokens": 100, "computed_tokens": 40, "answers": ["w7"]}
+    failed = summarize({OURS: [ok], ANCHOR: [{"error": "RuntimeError: it did not start"}]})
+    uncounted = summarize({OURS: [ok], ANCHOR: [dict(ok, computed_tokens=None)]})
+    assert "agree" not in failed and uncounted["agree"] == uncounted["total"] == 1
+    assert "computed_tokens" not in uncounted["ratios"]
+    table = format_server_table({
+        "quick": True, "repeats": 1, "servers": [OURS, ANCHOR],
+        "models": {"llama": {"caches": ["KVCache"], "workloads": {
+            "a": {"title": "(a) failed", "requests": 1, **failed},
+            "b": {"title": "(b) uncounted", "requests": 1, **uncounted}}}}})
+    assert "mlx_lm.server error: RuntimeError: it did not start" in table
+    computed = [line for line in table.splitlines() if "prompt tokens computed" in line]
+    assert computed[0].split()[-2:] == ["40", "error"]
+    assert computed[1].split()[-2:] == ["40", "n/a"]
