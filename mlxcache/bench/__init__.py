@@ -32,6 +32,9 @@ turn, so a busy spell on a shared machine slows all of them alike; times are med
 rounds and ratios are medians of the per-round ratios (paired). ``--quick`` shrinks the
 workloads for a smoke run.
 
+``python -m mlxcache.bench server`` is apart (``mlxcache.bench.server``): the same kind of
+workloads as chat requests over HTTP, ``python -m mlxcache.serve`` against ``mlx_lm.server``.
+
 Example:
     $ python -m mlxcache.bench --quick
 """
