@@ -122,13 +122,14 @@ class Answer:
         texts, finish, stops = [""] * n, [None] * n, [None] * n
         entries: list[list] = [[] for _ in range(n)]
         try:
-            async for p in self._pieces():
-                if p is ACCEPTED or p is KEEPALIVE:
-                    continue
-                texts[p.index] += p.text
-                entries[p.index] += p.logprobs
-                if p.finish_reason is not None:
-                    finish[p.index], stops[p.index] = p.finish_reason, p.stop
+            async for batch in self._pieces():
+                for p in batch:
+                    if p is ACCEPTED or p is KEEPALIVE:
+                        continue
+                    texts[p.index] += p.text
+                    entries[p.index] += p.logprobs
+                    if p.finish_reason is not None:
+                        finish[p.index], stops[p.index] = p.finish_reason, p.stop
         except APIError as e:
             await self._send_json(send, e.status, self.fmt.error(e))
             return
@@ -138,26 +139,21 @@ class Answer:
 
     async def _stream(self, send: Any) -> None:
         it = self._pieces().__aiter__()
-        early = []
+        early: list = []  # what came with the acceptance (tokens, when it was quick)
         try:
-            while (p := await it.__anext__()) is not ACCEPTED:
-                if p is not KEEPALIVE:
-                    early.append(p)  # a token before every prompt was accepted
+            while ACCEPTED not in early:
+                early = [p for p in early if p is not KEEPALIVE] + await it.__anext__()
         except APIError as e:
+            await it.aclose()
             await self._send_json(send, e.status, self.fmt.error(e))
             return
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
         try:
-            await self._write(send, self.fmt.head())
-            for p in early:
-                await self._write(send, self.fmt.piece(p, self.usage))
-            async for p in it:
-                if p is KEEPALIVE:
-                    await self._write(send, [self.fmt.keepalive])
-                elif p is not ACCEPTED:
-                    await self._write(send, self.fmt.piece(p, self.usage))
+            await self._write(send, self.fmt.head() + self._events(early))
+            async for batch in it:  # one write for all that came together
+                await self._write(send, self._events(batch))
             await self._write(send, self.fmt.tail(self.usage))
             self._done()
         except APIError as e:  # after the headers: an error event ends the stream
@@ -166,6 +162,15 @@ class Answer:
         finally:
             await it.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _events(self, batch: list) -> list[bytes]:
+        out = []
+        for p in batch:
+            if p is KEEPALIVE:
+                out.append(self.fmt.keepalive)
+            elif p is not ACCEPTED:
+                out += self.fmt.piece(p, self.usage)
+        return out
 
     async def _write(self, send: Any, events: list[bytes]) -> None:
         if events:

@@ -7,11 +7,13 @@ it has its first token, so they find the whole prompt in the prefix cache and co
 their own tokens. A sibling's seed is ``seed + i`` (the same seed gives the same choices; two
 choices of one call differ).
 
-``pieces`` yields ``ACCEPTED`` once the engine has taken the first answers (a refusal, such as
-a prompt longer than the context, raises ``APIError`` before: a streaming route can still
-answer with an error status), ``KEEPALIVE`` when nothing happened for ``keepalive`` seconds (a
-long prefill), and a ``Piece`` per token's worth of text. When the consumer stops early (the
-client left, an error) every request still running is cancelled.
+``pieces`` yields lists: everything that arrived since the last one (one wake-up of the event
+loop, one write to the client). In them, ``ACCEPTED`` once the engine has taken the first
+answers (a refusal, such as a prompt longer than the context, raises ``APIError`` before: a
+streaming route can still answer with an error status), ``KEEPALIVE`` (alone) when nothing
+happened for ``keepalive`` seconds (a long prefill), and a ``Piece`` per token's worth of text.
+When the consumer stops early (the client left, an error) every request still running is
+cancelled.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
     >>> worker.start()
     >>> async def answer():
     ...     usage = Usage()
-    ...     out = [p async for p in pieces(worker, Ask([[17]], max_tokens=3),
-    ...                                    word_tokenizer(32), frozenset(), usage)]
+    ...     out = [p async for batch in pieces(worker, Ask([[17]], max_tokens=3),
+    ...                                        word_tokenizer(32), frozenset(), usage)
+    ...            for p in batch]
     ...     return out, usage.completion_tokens
     >>> out, tokens = asyncio.run(answer())
     >>> tokens, out[0], [(p.text, p.finish_reason) for p in out[1:]]
@@ -140,24 +143,34 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
             submit(p * ask.n, force=p > 0)
         accepted = 0
         while open_:
-            try:
-                choice, item = await asyncio.wait_for(gen.queue.get(), keepalive)
-            except TimeoutError:
-                yield KEEPALIVE
-                continue
-            if isinstance(item, APIError):
-                raise item
-            if isinstance(item, int):  # accepted
-                accepted += 1
-                if accepted == len(ask.prompts):
-                    yield ACCEPTED
-                continue
-            piece = _take(item, choice, texts[choice], counts, ask, eos, worker, gen)
-            if item.token is not None and counts[choice] == 1:
-                _first(item, choice, ask, usage, gen, submit)
-            if piece.finish_reason is not None:
-                open_.discard(choice)
-            yield piece
+            batch = []
+            if gen.queue.empty():  # (wait_for costs a task: only when there is a wait)
+                try:
+                    batch.append(await asyncio.wait_for(gen.queue.get(), keepalive))
+                except TimeoutError:
+                    yield [KEEPALIVE]
+                    continue
+            while not gen.queue.empty():  # all that arrived, in one batch
+                batch.append(gen.queue.get_nowait())
+            out = []
+            for choice, item in batch:
+                if choice not in open_:  # ended (a stop string) while its tokens came
+                    continue
+                if isinstance(item, APIError):
+                    raise item
+                if isinstance(item, int):  # accepted
+                    accepted += 1
+                    if accepted == len(ask.prompts):
+                        out.append(ACCEPTED)
+                    continue
+                piece = _take(item, choice, texts[choice], counts, ask, eos, worker, gen)
+                if item.token is not None and counts[choice] == 1:
+                    _first(item, choice, ask, usage, gen, submit)
+                if piece.finish_reason is not None:
+                    open_.discard(choice)
+                out.append(piece)
+            if out:
+                yield out
     finally:
         usage.completion_tokens = sum(counts)
         if open_:

@@ -58,11 +58,22 @@ class Generation:
         self.first_at: float | None = None
 
     def put(self, choice: int, item: Any) -> None:
-        """Hand ``item`` to the event loop (from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, item))
-        except RuntimeError:  # the loop is closed: nobody is listening
-            pass
+        """Hand ``item`` to the event loop (from the worker thread; ``EngineWorker`` hands
+        a round's items over together instead)."""
+        _hand_over(self.loop, [(self, choice, item)])
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, int, Any]]
+               ) -> None:
+    """Put ``items`` into their generations' queues on ``loop``: one wake-up for them all."""
+    def put_all() -> None:
+        for gen, choice, item in items:
+            gen.queue.put_nowait((choice, item))
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the loop is closed: nobody is listening
+        pass
 
 
 class EngineWorker:
@@ -87,6 +98,7 @@ class EngineWorker:
         self.max_waiting = max_waiting
         self._jobs: queue.SimpleQueue[tuple[str, Generation | None, Any]] = queue.SimpleQueue()
         self._live: dict[int, tuple[Generation, int]] = {}  # rid -> (generation, choice)
+        self._outbox: list[tuple[Generation, int, Any]] = []  # handed over after each batch
         self._unstarted: set[int] = set()  # live requests without a first token
         self._lock = threading.Lock()
         self._waiting = 0  # reserved and not started (loop and worker both count)
@@ -157,6 +169,7 @@ class EngineWorker:
             for kind, gen, arg in jobs:
                 if kind == "stop":
                     self._abort_all(APIError(503, "the server is shutting down"))
+                    self._flush()
                     return
                 try:
                     if kind == "submit":
@@ -167,10 +180,12 @@ class EngineWorker:
                     log.exception("a %s job failed", kind)
                     if kind == "submit" and arg[0] not in gen.rids:
                         self._started()  # its reservation
-                    gen.put(arg[0] if kind == "submit" else 0,
+                    self._post(gen, arg[0] if kind == "submit" else 0,
                             APIError(500, f"the engine failed: {e!r}"))
+            self._flush()  # acceptances now: a stream's headers need not wait for the round
             if self._live:
                 self._round()
+                self._flush()
 
     def _submit(self, gen: Generation, choice: int, tokens: list[int], max_tokens: int,
                 sampling: dict[str, Any]) -> None:
@@ -181,17 +196,17 @@ class EngineWorker:
             rid = self.streams.add_request(tokens, max_tokens, **sampling)
         except (ValueError, TypeError) as e:  # the engine's own checks: the prompt's length
             self._started()
-            gen.put(choice, APIError(400, str(e), param=self._param_of(gen, tokens)))
+            self._post(gen, choice, APIError(400, str(e), param=self._param_of(gen, tokens)))
             return
         except EngineClosedError as e:
             self._started()
-            gen.put(choice, APIError(503, str(e)))
+            self._post(gen, choice, APIError(503, str(e)))
             return
         gen.rids[choice] = rid
         self._live[rid] = (gen, choice)
         self._unstarted.add(rid)
         self.running += 1
-        gen.put(choice, rid)
+        self._post(gen, choice, rid)
 
     def _param_of(self, gen: Generation, tokens: list[int]) -> str:
         """The field a refused request is about: its prompt when the prompt alone does not
@@ -218,6 +233,18 @@ class EngineWorker:
             self._unstarted.discard(rid)
             self._started()
 
+    def _post(self, gen: Generation, choice: int, item: Any) -> None:
+        self._outbox.append((gen, choice, item))
+
+    def _flush(self) -> None:
+        """Hand what this pass made to the event loop(s): one wake-up per loop."""
+        by_loop: dict[Any, list] = {}
+        for entry in self._outbox:
+            by_loop.setdefault(entry[0].loop, []).append(entry)
+        self._outbox = []
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
+
     def _round(self) -> None:
         try:
             events = self.streams.step_events()
@@ -240,10 +267,10 @@ class EngineWorker:
             self._unstarted.discard(ev.rid)
             self._started()
         if ev.error is not None:
-            gen.put(choice, APIError(500, f"the engine failed serving this request: "
+            self._post(gen, choice, APIError(500, f"the engine failed serving this request: "
                                      f"{ev.error!r}"))
         else:
-            gen.put(choice, ev)
+            self._post(gen, choice, ev)
         if ev.finished:
             self._end(ev.rid)
 
@@ -254,6 +281,6 @@ class EngineWorker:
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
             self._end(rid)
-            gen.put(choice, error)
+            self._post(gen, choice, error)
 
 
