@@ -82,6 +82,7 @@ MLXCACHE_API = [
     "mlxcache.engine.runner_pooled",
     "mlxcache.engine.runner_plain",
     "mlxcache.sampling",
+    "mlxcache.logprobs",
     "mlxcache.testing",
     "mlxcache.zoo",
 ]

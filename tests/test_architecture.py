@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridattn.demo",),
     ("hybridattn.serve",),
     ("hybridattn.bench",),
-    ("mlxcache.radix", "mlxcache.sampling", "mlxcache.pool"),
+    ("mlxcache.radix", "mlxcache.sampling", "mlxcache.logprobs", "mlxcache.pool"),
     ("mlxcache.cache",),
     ("mlxcache.layers",),
     ("mlxcache.engine",),

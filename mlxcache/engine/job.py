@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.logprobs import LogprobBatch
 from servecore.radix import TreeNode
 from servecore.requests import GenerationRequest, finish_reason
 
@@ -62,6 +63,9 @@ class Job:
     # hybrid models, pages of several tokens: (depth, snapshot slot) of the state at the
     # answer's latest page boundary, held by the job until publish_answer hangs it on the tree
     page_state: tuple[int, int] | None = None
+    # a request that asked for logprobs: those of its token sampled last and not yet
+    # reported, as (the batch's arrays, its row there)
+    logprobs: tuple[LogprobBatch, int] | None = None
 
     @property
     def tokens(self) -> list[int]:

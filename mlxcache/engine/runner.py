@@ -16,6 +16,9 @@ A request's life (prefix reuse on):
 3. *decode*: the request joins the running batch (a row of every layer's decode cache); all
    running requests advance one token per forward, each with its own sampling parameters.
    The next step is queued before the host reads this step's tokens (``mx.async_eval``).
+   Rows whose request asked for ``logprobs`` get them computed from the same logits
+   (``mlxcache.logprobs``), scheduled with the tokens and reported with them; a batch where
+   none asks computes none.
 4. *finish* (``servecore.requests.finish_reason``): the K/V of the generated tokens are
    written to the pool and prompt + answer are inserted, so a follow-up turn reuses them; the
    lock is released.
@@ -65,6 +68,7 @@ from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.store import PrefixStore
 from mlxcache.engine.support import Support
 from mlxcache.layers import leaves
+from mlxcache.logprobs import LogprobBatch, logprob_arrays
 from mlxcache.pool import POOL_NAME, PoolExhausted
 from mlxcache.sampling import next_key, sample
 from servecore.engine import Event
@@ -249,8 +253,10 @@ class Runner:
                 arrays_in([c.state for c in leaves(caches)]), self._state_arrays())
             pos = stop
         last = self.model(mx.array([t[-1:] for t in todo]), cache=caches)[:, -1, :]
-        tokens = self._sample(jobs, last)
-        mx.eval(tokens, arrays_in([c.state for c in leaves(caches)]))
+        tokens, logprobs = self._sample(jobs, last)
+        mx.eval(tokens, logprobs.arrays() if logprobs else [],
+                arrays_in([c.state for c in leaves(caches)]))
+        self._hold_logprobs(jobs, logprobs)
         for job, token in zip(jobs, tokens.tolist(), strict=True):
             job.output.append(token)
         if self.store is not None:
@@ -277,19 +283,21 @@ class Runner:
         feed, unread = group.feed, group.unread
         logits = self.model(feed[:, None], cache=group.caches)[:, -1, :]
         self._page_states(group, range(len(group.jobs)))
-        group.feed = self._sample(group.jobs, logits)
-        group.unread = [True] * len(group.jobs)
-        mx.async_eval(group.feed)
+        jobs = list(group.jobs)
+        group.feed, logprobs = self._sample(jobs, logits)
+        group.unread = [True] * len(jobs)
+        mx.async_eval(group.feed, logprobs.arrays() if logprobs else [])
         fed = feed.tolist()
         self.stats.decode_seconds += time.perf_counter() - tic
         finished = []
-        for job, token, new in zip(list(group.jobs), fed, unread, strict=True):
+        for job, token, new in zip(jobs, fed, unread, strict=True):
             if new:
                 job.output.append(token)
                 self.stats.decode_tokens += 1
-                self._report(job, token)
+                self._report(job, token)  # with the logprobs held by the previous step
                 if job.done:
                     finished.append(job)
+        self._hold_logprobs(jobs, logprobs)  # this step's, reported with its tokens next
         # Last rows first: a finished row at the end leaves without moving another row.
         for job in sorted(finished, key=group.jobs.index, reverse=True):
             self._finish(job, group)
@@ -302,7 +310,10 @@ class Runner:
             for row in rows:
                 store.page_state(group.jobs[row], group.caches, row)
 
-    def _sample(self, jobs: list[Job], logits: mx.array) -> mx.array:
+    def _sample(self, jobs: list[Job], logits: mx.array) -> tuple[mx.array,
+                                                                  LogprobBatch | None]:
+        """Each job's next token, and the log-probabilities of the jobs that ask for them
+        (None when none does: nothing is computed)."""
         keys = []
         for j in jobs:
             if j.key is not None and not j.request.sampling.greedy:
@@ -310,7 +321,16 @@ class Runner:
                 keys.append(use)
             else:
                 keys.append(None)
-        return sample(logits, [j.request.sampling for j in jobs], keys)
+        tokens = sample(logits, [j.request.sampling for j in jobs], keys)
+        return tokens, logprob_arrays(logits, tokens, [j.request.logprobs for j in jobs])
+
+    @staticmethod
+    def _hold_logprobs(jobs: list[Job], logprobs: LogprobBatch | None) -> None:
+        """Each job that asked keeps its row of ``logprobs`` until its token is reported."""
+        if logprobs is not None:
+            for row, job in enumerate(jobs):
+                if job.request.logprobs is not None:
+                    job.logprobs = (logprobs, row)
 
     def _finish(self, job: Job, group: Group | None, publish: bool = True,
                 state: str = "done") -> None:
@@ -330,9 +350,12 @@ class Runner:
     # ---------------------------------------------------------------- events ----
 
     def _report(self, job: Job, token: int) -> None:
-        # the first token says how many prompt tokens the prefix cache served
+        # the first token says how many prompt tokens the prefix cache served; a job that
+        # asked for logprobs gets those its token was sampled with
+        held, job.logprobs = job.logprobs, None
         self._emit(Event(job.rid, token, job.done,
-                         cached=job.cached if len(job.output) == 1 else None))
+                         cached=job.cached if len(job.output) == 1 else None,
+                         logprobs=held[0].read(held[1]) if held is not None else None))
 
     def _dropped(self, job: Job, error: BaseException) -> None:
         """Report ``job`` dropped by ``error`` (now inside a round, else at the next one)."""
