@@ -57,11 +57,12 @@ class LogprobBatch:
     (-0.6931, [(0, -0.6931)])
     """
 
-    def __init__(self, rows: list[int], ks: list[int], logprobs: mx.array, chosen: mx.array,
-                 top_ids: mx.array | None, top_values: mx.array | None):
+    def __init__(self, rows: list[int], ks: list[int], logits: tuple[mx.array, mx.array],
+                 chosen: mx.array, top_ids: mx.array | None, top_values: mx.array | None):
         self.index = {row: i for i, row in enumerate(rows)}  # batch row -> row here
         self.ks = ks
-        self.logprobs = logprobs  # (R, V) float32 log-softmax, for ties at the k-th place
+        # (R, V) float32 logits and (R, 1) their logsumexp, for a tie at the k-th place
+        self.logits, self.lse = logits
         self.chosen = chosen  # (R,) the sampled tokens' logprobs
         self.top_ids, self.top_values = top_ids, top_values  # (R, K+1), unordered
         self._host: list[TokenLogprobs] | None = None
@@ -71,9 +72,9 @@ class LogprobBatch:
 
         >>> import mlx.core as mx
         >>> len(logprob_arrays(mx.zeros((1, 4)), mx.array([0]), [0]).arrays())
-        2
+        3
         """
-        return [a for a in (self.logprobs, self.chosen, self.top_ids, self.top_values)
+        return [a for a in (self.logits, self.lse, self.chosen, self.top_ids, self.top_values)
                 if a is not None]
 
     def read(self, row: int) -> TokenLogprobs | None:
@@ -102,7 +103,7 @@ class LogprobBatch:
             order = np.lexsort((ids[i], -values[i]))
             row_ids, row_values = ids[i][order], values[i][order]
             if 0 < k < len(order) and row_values[k - 1] == row_values[k]:  # a tie at the edge
-                full = np.array(self.logprobs[i])
+                full = np.array(self.logits[i] - self.lse[i])
                 order = np.lexsort((np.arange(len(full)), -full))[:k]
                 row_ids, row_values = order, full[order]
             top = tuple((int(t), float(v)) for t, v in zip(row_ids[:k], row_values[:k],
@@ -133,12 +134,14 @@ def logprob_arrays(logits: Float[mx.array, "B V"], tokens: Int[mx.array, " B"],
     asked = [int(ks[i]) for i in rows]
     x = logits if len(rows) == b else logits[mx.array(rows, dtype=mx.int32)]
     x = x.astype(mx.float32)
-    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    # The log-softmax is x - lse; only the entries read are formed (no (R, V) array of it).
+    lse = mx.logsumexp(x, axis=-1, keepdims=True)
     picked = tokens if len(rows) == b else tokens[mx.array(rows, dtype=mx.int32)]
-    chosen = mx.take_along_axis(lp, picked.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    chosen = (mx.take_along_axis(x, picked.astype(mx.int32)[:, None], axis=-1) - lse)[:, 0]
     top_ids = top_values = None
-    width = min(max(asked) + 1, lp.shape[-1])  # one more than asked: ties at the k-th place
+    vocab = x.shape[-1]
+    width = min(max(asked) + 1, vocab)  # one more than asked: ties at the k-th place
     if max(asked) > 0:
-        top_ids = mx.argpartition(-lp, kth=width - 1, axis=-1)[:, :width]
-        top_values = mx.take_along_axis(lp, top_ids, axis=-1)
-    return LogprobBatch(rows, asked, lp, chosen, top_ids, top_values)
+        top_ids = mx.argpartition(x, kth=vocab - width, axis=-1)[:, vocab - width :]
+        top_values = mx.take_along_axis(x, top_ids, axis=-1) - lse
+    return LogprobBatch(rows, asked, (x, lse), chosen, top_ids, top_values)
