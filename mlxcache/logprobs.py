@@ -124,8 +124,8 @@ def logprob_arrays(logits: Float[mx.array, "B V"], tokens: Int[mx.array, " B"],
     >>> mx.eval(b.arrays()); [t for t, _ in b.read(0).top]
     [2, 1, 0]
     """
-    b = logits.shape[0]
-    if logits.ndim != 2 or tokens.shape != (b,) or len(ks) != b:
+    b = logits.shape[0] if logits.ndim == 2 else -1
+    if b < 0 or tokens.shape != (b,) or len(ks) != b:
         raise ValueError(f"logits {logits.shape}, tokens {tokens.shape} and {len(ks)} ks: "
                          "give a (B, V) logits, B tokens and B ks")
     rows = [i for i, k in enumerate(ks) if k is not None]

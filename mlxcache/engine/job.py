@@ -65,7 +65,7 @@ class Job:
     page_state: tuple[int, int] | None = None
     # a request that asked for logprobs: those of its token sampled last and not yet
     # reported, as (the batch's arrays, its row there)
-    logprobs: tuple[LogprobBatch, int] | None = None
+    held_logprobs: tuple[LogprobBatch, int] | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -330,7 +330,7 @@ class Runner:
         if logprobs is not None:
             for row, job in enumerate(jobs):
                 if job.request.logprobs is not None:
-                    job.logprobs = (logprobs, row)
+                    job.held_logprobs = (logprobs, row)
 
     def _finish(self, job: Job, group: Group | None, publish: bool = True,
                 state: str = "done") -> None:
@@ -352,7 +352,7 @@ class Runner:
     def _report(self, job: Job, token: int) -> None:
         # the first token says how many prompt tokens the prefix cache served; a job that
         # asked for logprobs gets those its token was sampled with
-        held, job.logprobs = job.logprobs, None
+        held, job.held_logprobs = job.held_logprobs, None
         self._emit(Event(job.rid, token, job.done,
                          cached=job.cached if len(job.output) == 1 else None,
                          logprobs=held[0].read(held[1]) if held is not None else None))
