@@ -64,6 +64,9 @@ def _chat(f: Fields) -> list[dict[str, str]]:
         chat.append({"role": role, "content": _blocks(g.required("content"),
                                                       f"messages[{i}].content")})
         g.finish()
+    if chat[-1]["role"] == "assistant":
+        raise f.fail("messages", "the last message is the assistant's (a prefill to continue): "
+                     "this server does not continue one; end with a user message")
     return chat
 
 
@@ -95,7 +98,7 @@ def parse_messages(body: Any, tokenizer: Any, *, vocab_size: int) -> Ask:
     ask.top_p = f.number("top_p", 1.0, lo=0.0, hi=1.0)
     if ask.top_p == 0.0:
         raise f.fail("top_p", "top_p must be > 0")
-    ask.top_k = f.integer("top_k", 0, lo=0)
+    ask.top_k = f.integer("top_k", 0, lo=0, hi=2**31 - 1)
     ask.stop = f.strings("stop_sequences", most=MAX_STOP)
     ask.stream = f.boolean("stream", False)
     _unsupported(f)

@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -43,7 +43,8 @@ log = logging.getLogger("servecore.server")
 class Server:
     """What the routes share: the engine's worker, its tokenizer and EOS ids, the served
     model's name, the metrics and the options (``max_queue``: requests that may wait for a
-    first token; ``keepalive``: seconds between keep-alive comments while a stream waits).
+    first token; ``keepalive``: seconds between keep-alive comments while a stream waits;
+    ``max_body_bytes``: the largest request body taken, 413 past it).
 
     >>> from servecore.requests import RequestBuilder
     >>> from servecore.streams import Streams
@@ -58,7 +59,7 @@ class Server:
     """
 
     def __init__(self, engine: Any, *, model_name: str, max_queue: int = 256,
-                 keepalive: float = 10.0):
+                 keepalive: float = 10.0, max_body_bytes: int = 8 << 20):
         tokenizer = getattr(engine, "tokenizer", None)
         if tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
@@ -66,6 +67,7 @@ class Server:
         self.vocab_size = engine.streams.build.vocab_size
         self.eos = engine.streams.build.eos_ids
         self.model_name, self.keepalive = model_name, keepalive
+        self.max_body_bytes = max_body_bytes
         self.worker = EngineWorker(engine, max_waiting=max_queue)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -99,16 +101,21 @@ class Answer:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(_disconnect(receive))
-        done, _ = await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if producer in done:
-            watcher.cancel()
-            producer.result()
-            return
-        producer.cancel()  # the client left: the generation's cleanup cancels its requests
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await producer
-        self.server.metrics.disconnected()
-        self.server.metrics.request(self.route, 499)
+        try:
+            done, _ = await asyncio.wait({producer, watcher},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if producer in done:
+                producer.result()
+                return
+            # the client left: the generation's cleanup cancels its requests
+            while not producer.done():
+                producer.cancel()
+                await asyncio.wait({producer}, timeout=1.0)
+            self.server.metrics.disconnected()
+            self.server.metrics.request(self.route, 499)
+        finally:  # (this call itself cancelled: at shutdown, say)
+            for task in (producer, watcher):
+                task.cancel()
 
     def _pieces(self):
         s = self.server
@@ -122,14 +129,15 @@ class Answer:
         texts, finish, stops = [""] * n, [None] * n, [None] * n
         entries: list[list] = [[] for _ in range(n)]
         try:
-            async for batch in self._pieces():
-                for p in batch:
-                    if p is ACCEPTED or p is KEEPALIVE:
-                        continue
-                    texts[p.index] += p.text
-                    entries[p.index] += p.logprobs
-                    if p.finish_reason is not None:
-                        finish[p.index], stops[p.index] = p.finish_reason, p.stop
+            async with contextlib.aclosing(self._pieces()) as answer:
+                async for batch in answer:
+                    for p in batch:
+                        if p is ACCEPTED or p is KEEPALIVE:
+                            continue
+                        texts[p.index] += p.text
+                        entries[p.index] += p.logprobs
+                        if p.finish_reason is not None:
+                            finish[p.index], stops[p.index] = p.finish_reason, p.stop
         except APIError as e:
             await self._send_json(send, e.status, self.fmt.error(e))
             return
@@ -201,9 +209,33 @@ async def _disconnect(receive: Any) -> None:
 
 
 async def _body(server: Server, request: Request) -> Any:
-    body = parse_json(await request.body())
+    """The request's JSON (at most ``server.max_body_bytes``; 413 past it), its model
+    checked."""
+    limit = server.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes, more than this server "
+                       f"takes ({limit}, --max-body-bytes)")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is more than this server takes ({limit} "
+                               "bytes, --max-body-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client left before its request was read") from None
+    body = parse_json(b"".join(chunks))
     server.check_model(body)
     return body
+
+
+async def _parsed(parse, body: Any, server: Server, **kw: Any) -> Any:
+    """``parse(body, tokenizer, vocab_size=..., **kw)`` on a thread: a long prompt's chat
+    template and tokenization do not stop the event loop (every other stream)."""
+    return await asyncio.to_thread(parse, body, server.tokenizer, vocab_size=server.vocab_size,
+                                   **kw)
 
 
 def _routes(server: Server) -> list[Route]:
@@ -211,24 +243,24 @@ def _routes(server: Server) -> list[Route]:
 
     async def chat(request: Request) -> Any:
         body = await _body(s, request)
-        ask = openai_api.parse_chat(body, s.tokenizer, vocab_size=s.vocab_size)
+        ask = await _parsed(openai_api.parse_chat, body, s)
         return Answer(s, "/v1/chat/completions", ask,
                       ChatFormat(s.model_name, ask.n, ask.include_usage, s.text_of(ask)))
 
     async def completions(request: Request) -> Any:
         body = await _body(s, request)
-        ask = openai_api.parse_completion(body, s.tokenizer, vocab_size=s.vocab_size)
+        ask = await _parsed(openai_api.parse_completion, body, s)
         return Answer(s, "/v1/completions", ask,
                       CompletionFormat(s.model_name, ask.n, ask.include_usage, s.text_of(ask)))
 
     async def messages(request: Request) -> Any:
         body = await _body(s, request)
-        ask = anthropic_api.parse_messages(body, s.tokenizer, vocab_size=s.vocab_size)
+        ask = await _parsed(anthropic_api.parse_messages, body, s)
         return Answer(s, "/v1/messages", ask, MessagesFormat(s.model_name))
 
     async def count_tokens(request: Request) -> Response:
         body = await _body(s, request)
-        n = anthropic_api.parse_count_tokens(body, s.tokenizer, vocab_size=s.vocab_size)
+        n = await _parsed(anthropic_api.parse_count_tokens, body, s)
         s.metrics.request("/v1/messages/count_tokens", 200)
         return JSONResponse({"input_tokens": n})
 
@@ -267,7 +299,7 @@ def _routes(server: Server) -> list[Route]:
 
 
 def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
-               keepalive: float = 10.0) -> Starlette:
+               keepalive: float = 10.0, max_body_bytes: int = 8 << 20) -> Starlette:
     """The server's ASGI application over ``engine`` (a ``hybridattn.Engine`` or
     ``mlxcache.Engine`` with a tokenizer, or anything with ``streams`` and ``tokenizer``). Its
     lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both);
@@ -283,7 +315,8 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
     >>> app.state.server.model_name, [r.path for r in app.routes][:2]
     ('m', ['/v1/chat/completions', '/v1/completions'])
     """
-    server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive)
+    server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive,
+                    max_body_bytes=max_body_bytes)
 
     routes = {r.path for r in _routes(server)}
 

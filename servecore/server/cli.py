@@ -36,6 +36,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
                    f"directory's name, else {default_name!r})")
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for their first token before more get 429")
+    g.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="the largest request body taken (default 8 MiB; 413 past it)")
     g.add_argument("--keepalive", type=float, default=10.0,
                    help="seconds between keep-alive comments while a stream waits")
     g.add_argument("--log-level", default="info",
@@ -52,7 +54,7 @@ def run(engine: Any, args: argparse.Namespace) -> None:
     import uvicorn
 
     app = create_app(engine, model_name=args.served_model_name, max_queue=args.max_queue,
-                     keepalive=args.keepalive)
+                     keepalive=args.keepalive, max_body_bytes=args.max_body_bytes)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

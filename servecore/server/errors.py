@@ -23,6 +23,7 @@ _TYPES = {
     405: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
+    499: ("invalid_request_error", "invalid_request_error"),  # the client left
     500: ("server_error", "api_error"),
     503: ("server_error", "overloaded_error"),
 }

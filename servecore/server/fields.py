@@ -39,8 +39,8 @@ def parse_json(raw: bytes) -> Any:
     """
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
 
 class Fields:
@@ -97,8 +97,11 @@ class Fields:
     def number(self, name: str, default: float, *, lo: float, hi: float) -> float:
         """A number field within ``[lo, hi]``."""
         value = self.get(name, default)
-        if (isinstance(value, bool) or not isinstance(value, int | float)
-                or not math.isfinite(value) or not lo <= value <= hi):
+        try:
+            finite = not isinstance(value, bool) and math.isfinite(float(value))
+        except (TypeError, ValueError, OverflowError):
+            finite = False
+        if not finite or not isinstance(value, int | float) or not lo <= value <= hi:
             raise self.fail(name, f"{self.prefix}{name} must be a number in [{lo}, {hi}], "
                             f"not {value!r}")
         return float(value)
@@ -118,14 +121,16 @@ class Fields:
                             f"{type(value).__name__}")
         return value
 
-    def strings(self, name: str, *, most: int) -> list[str]:
-        """A string or a list of at most ``most`` strings (stop sequences)."""
+    def strings(self, name: str, *, most: int, longest: int = 1000) -> list[str]:
+        """A string or a list of at most ``most`` strings (stop sequences), each of 1 to
+        ``longest`` characters."""
         value = self.get(name, [])
         items = [value] if isinstance(value, str) else value
         if (not isinstance(items, list) or len(items) > most
-                or not all(isinstance(s, str) and s for s in items)):
-            raise self.fail(name, f"{self.prefix}{name} must be a non-empty string or a list "
-                            f"of at most {most} non-empty strings, not {value!r}")
+                or not all(isinstance(s, str) and 0 < len(s) <= longest for s in items)):
+            raise self.fail(name, f"{self.prefix}{name} must be a string or a list of at most "
+                            f"{most} strings, each of 1 to {longest} characters, not "
+                            f"{str(value)[:80]!r}")
         return items
 
     def unsupported(self, name: str, *defaults: Any) -> None:

@@ -129,24 +129,25 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
     submitted: set[int] = set()
     usage.prompt_tokens = sum(len(p) for p in ask.prompts)
 
-    def submit(choice: int, force: bool) -> None:
+    def submit(choice: int) -> None:
         prompt, i = divmod(choice, ask.n)
-        worker.reserve(1, force=force)
         seed = None if ask.seed is None else (ask.seed + i) % 2**31
         worker.submit(gen, choice, ask.prompts[prompt], ask.max_tokens,
                       temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed,
                       logprobs=ask.logprobs)
         submitted.add(choice)
 
+    worker.reserve(ask.num_choices)  # every answer counts against the queue's limit
     try:
         for p in range(len(ask.prompts)):
-            submit(p * ask.n, force=p > 0)
+            submit(p * ask.n)
         accepted = 0
         while open_:
             batch = []
-            if gen.queue.empty():  # (wait_for costs a task: only when there is a wait)
-                try:
-                    batch.append(await asyncio.wait_for(gen.queue.get(), keepalive))
+            if gen.queue.empty():
+                try:  # (not wait_for: on 3.11 it can swallow the cancel of a client that left)
+                    async with asyncio.timeout(keepalive):
+                        batch.append(await gen.queue.get())
                 except TimeoutError:
                     yield [KEEPALIVE]
                     continue
@@ -173,6 +174,7 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
                 yield out
     finally:
         usage.completion_tokens = sum(counts)
+        worker.release(ask.num_choices - len(submitted))  # siblings that never went
         if open_:
             worker.cancel(gen)
 
@@ -186,7 +188,7 @@ def _first(ev: Event, choice: int, ask: Ask, usage: Usage, gen: Generation, subm
     if choice % ask.n == 0:
         usage.cached_tokens += ev.cached or 0
         for i in range(1, ask.n):
-            submit(choice + i, force=True)
+            submit(choice + i)
 
 
 def _take(ev: Event, choice: int, text: TextStream, counts: list[int], ask: Ask,

@@ -31,6 +31,7 @@ from servecore.server.generation import Ask, Usage
 __all__ = ["parse_chat", "parse_completion"]
 
 MAX_N = 16
+MAX_CHOICES = 64  # prompts x n in one call
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs
 MAX_STOP = 4
@@ -45,7 +46,7 @@ def _common(f: Fields, ask: Ask, max_tokens: int) -> Ask:
     if ask.top_p == 0.0:
         raise f.fail("top_p", "top_p must be > 0 (it keeps the most likely tokens whose "
                      "probabilities sum to top_p)")
-    ask.top_k = f.integer("top_k", 0, lo=-1)
+    ask.top_k = f.integer("top_k", 0, lo=-1, hi=2**31 - 1)
     ask.top_k = max(ask.top_k, 0)
     ask.seed = f.integer("seed", None, lo=-(2**63), hi=2**63 - 1)
     if ask.seed is not None:
@@ -135,7 +136,9 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise f.fail("content", f"messages[{i}].content must be a string or a list of text "
                      "parts")
-    f.ignored("name")
+    f.ignored("name", "refusal", "annotations", "audio")  # a reply sent back as it came
+    f.unsupported("tool_calls", [])
+    f.unsupported("function_call")
     f.finish()
     return {"role": ROLES[role], "content": content}
 
@@ -176,6 +179,9 @@ def parse_completion(body: Any, tokenizer: Any, *, vocab_size: int,
             raise f.fail("prompt", "a token-id prompt must be a list of integers")
         prompts.append(_encode("prompt", p, tokenizer, vocab_size))
     ask = _common(f, Ask(prompts), max_tokens)
+    if ask.num_choices > MAX_CHOICES:
+        raise f.fail("prompt", f"{len(prompts)} prompts x n={ask.n} asks for "
+                     f"{ask.num_choices} answers, more than {MAX_CHOICES} in one call")
     ask.logprobs = f.integer("logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
     f.finish()
     return ask

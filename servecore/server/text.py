@@ -84,8 +84,9 @@ class TextStream:
     def _partial_stop(self) -> int:
         """The longest tail of the decoded text that begins some stop string (held back)."""
         best = 0
+        unsent = len(self._decoded) - len(self.text)  # (sent text never starts a stop string)
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self._decoded)), best, -1):
+            for k in range(min(len(s) - 1, unsent), best, -1):
                 if self._decoded.endswith(s[:k]):
                     best = k
                     break

@@ -123,6 +123,11 @@ class EngineWorker:
                                code="queue_full")
             self._waiting += count
 
+    def release(self, count: int) -> None:
+        """Give back ``count`` reservations that were never submitted."""
+        if count > 0:
+            self._started(count)
+
     def _started(self, count: int = 1) -> None:
         with self._lock:
             self._waiting = max(0, self._waiting - count)
@@ -213,7 +218,7 @@ class EngineWorker:
         fit, else ``max_tokens``."""
         try:
             self.streams.build.one(tokens, 1)
-        except (ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - whatever it is, the prompt alone does not fit
             return gen.prompt_field
         return "max_tokens"
 

@@ -6,6 +6,7 @@ mlx-lm and the cache-free model)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -328,3 +329,84 @@ def test_a_fault_of_the_engine_is_a_500_and_the_server_goes_on():
         assert out.choices[0].finish_reason == "length" and len(out.choices[0].text.split()) == 3
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
         assert srv.server.worker.running == 0 and srv.server.worker.waiting == 0
+
+
+def test_what_a_review_found_misbehaving_clients_get_400s_and_hurt_nobody():
+    fake = _FakeEngine()
+    with serving(fake, max_queue=4, max_body_bytes=1 << 16) as srv:
+        client = srv.openai()
+        chat = [{"role": "user", "content": "w5"}]
+        first = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+        # the openai client's own reply object sent back (refusal, annotations, ...)
+        again = client.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=chat + [first.choices[0].message,
+                                                        {"role": "user", "content": "w6"}])
+        assert again.choices[0].finish_reason == "length"
+
+        def post(route, body, **kw):
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            return httpx.post(srv.url + route, content=raw, **kw)
+
+        cases = [  # (route, body, status, param)
+            ("/v1/completions", {"model": MODEL, "prompt": [[5]] * 3, "n": 2}, 429, None),
+            ("/v1/completions", {"model": MODEL, "prompt": [[5]] * 40, "n": 2}, 400, "prompt"),
+            ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": chat})[:-1].encode()
+             + b', "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+            ("/v1/chat/completions", b"[" * 60000, 400, None),  # RecursionError
+            ("/v1/chat/completions", {"model": MODEL, "messages": chat, "top_k": 2**40}, 400,
+             "top_k"),
+            ("/v1/completions", {"model": MODEL, "prompt": "w9 " * 30000}, 413, None),
+            ("/v1/completions", {"model": MODEL, "prompt": "w5", "stop": ["x" * 1001]}, 400,
+             "stop"),
+        ]
+        for route, body, status, param in cases:
+            r = post(route, body)
+            assert r.status_code == status, (route, r.text[:200])
+            assert r.json()["error"]["param"] == param
+        r = post("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "w7"}, {"role": "assistant", "content": "w9"}]})
+        assert r.status_code == 400 and "prefill" in r.json()["error"]["message"]
+        # a body cut short by a client that leaves is no fault of the server's
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: 1000\r\n\r\n{\"model\"")
+        time.sleep(0.2)
+        assert not any(status >= 500 for _, status in srv.server.metrics.requests)
+        assert client.completions.create(model=MODEL, prompt="w5", max_tokens=2).choices
+        srv.idle()
+
+
+def test_clients_that_leave_at_once_are_aborted_within_rounds():
+    """Python 3.11's ``wait_for`` could swallow the cancel of a client that left, leaving its
+    request to run to ``max_tokens``: 80 clients (streaming or not, n of 1, 2 or 4) that close
+    their socket 0-100 ms after sending are all aborted, long before their 3 s of tokens."""
+    import random
+    import threading
+
+    from servecore.testing import FakeCore
+
+    class Slow(FakeCore):  # 20 ms rounds
+        def run_round(self, emit):
+            time.sleep(0.02)
+            return super().run_round(emit)
+
+    def leave(port, body, after):
+        raw = json.dumps(body).encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: %d\r\n\r\n" % len(raw) + raw)
+            time.sleep(after)
+
+    fake = _FakeEngine()
+    fake.streams.core = Slow(rows=64, vocab_size=32)
+    rng = random.Random(0)
+    with serving(fake) as srv:
+        threads = [threading.Thread(target=leave, args=(srv.port, {
+            "model": MODEL, "messages": [{"role": "user", "content": "w7"}], "max_tokens": 150,
+            "stream": rng.random() < 0.5, "n": rng.choice([1, 2, 4]), "seed": i},
+            rng.random() * 0.1)) for i in range(80)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        srv.idle(timeout=1.0)  # 150 tokens take 3 s
