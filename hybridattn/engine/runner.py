@@ -477,11 +477,19 @@ class Runner:
         else:
             self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
         if self.compilations() > before and self.memory is not None:
-            # a new step executable: what it needs beside the pools (its compile is cached,
-            # so asking costs no compilation)
-            self.memory.working_bytes = max(self.memory.working_bytes, step_working_bytes(
-                fn, self.params, self.state, batch, *rest))
+            self._measure(fn, batch, rest)
         return tokens, ok, prev
+
+    def _measure(self, fn, batch, rest) -> None:
+        """A new step executable: raise ``memory.working_bytes`` to what it needs beside the
+        pools (its compile is cached, so asking costs no compilation). A report, never a
+        reason for the round to fail: a step that cannot say (not a jitted function) is
+        skipped."""
+        try:
+            need = step_working_bytes(fn, self.params, self.state, batch, *rest)
+        except Exception:  # noqa: BLE001 - see the docstring
+            return
+        self.memory.working_bytes = max(self.memory.working_bytes, need)
 
     def admit_row(self, adm: Admission) -> int:
         """Name the admitted request's row (a local row of its data shard under a mesh) and
