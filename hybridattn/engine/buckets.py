@@ -13,11 +13,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-__all__ = ["STOP_BUCKETS", "StepBuckets", "bucket", "check_buckets", "kv_ladder", "ladder"]
+__all__ = ["LOGPROB_BUCKETS", "STOP_BUCKETS", "StepBuckets", "bucket", "check_buckets",
+           "kv_ladder", "ladder"]
 
 STOP_BUCKETS = (4, 16, 64)
 """Widths of the per-row stop-token arrays of a multi-step decode (a request with more stop
 ids than the last decodes one step per dispatch)."""
+
+LOGPROB_BUCKETS = (1, 5, 20)
+"""How many most likely tokens a step that returns log-probabilities lists per row: the
+largest ``logprobs`` of its requests (at least 1) rounded up to one of these (one compilation
+each; ``servecore.requests.MAX_LOGPROBS`` is the last)."""
 
 
 def ladder(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:

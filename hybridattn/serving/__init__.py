@@ -33,7 +33,7 @@ slots, its row and its state slot together.
 from hybridattn.serving.decode import decode_steps
 from hybridattn.serving.one_step import step
 from hybridattn.serving.rows import borrow_prefix, release
-from hybridattn.serving.sampling import request_keys, sample
+from hybridattn.serving.sampling import request_keys, sample, token_logprobs
 from hybridattn.serving.state import ServingState, StepOutput, create_state
 from hybridattn.serving.worker_batch import ModelWorkerBatch, WorkItem, make_worker_batch
 from servecore.sampling import SamplingParams
@@ -52,4 +52,5 @@ __all__ = [
     "request_keys",
     "sample",
     "step",
+    "token_logprobs",
 ]

@@ -11,11 +11,30 @@ from jaxtyping import Array, Float, Int, Key
 __all__ = [
     "request_keys",
     "sample",
+    "token_logprobs",
 ]
 
 # --------------------------------------------------------------------------------------------
 # sampling
 # --------------------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    logits: Float[Array, "B V"], tokens: Int[Array, " B"], k: int
+) -> tuple[Float[Array, " B"], Int[Array, "B K"], Float[Array, "B K"]]:
+    """Each row's log-probability of ``tokens`` and its ``k`` most likely tokens (ids and
+    log-probabilities, most likely first, ties to the lower id): the log-softmax of the
+    ``logits`` in float32, before temperature, top-k or top-p. ``k`` is static (one
+    compilation per value).
+
+    >>> lp, ids, top = token_logprobs(jnp.array([[0.0, 2.0, 2.0]]), jnp.array([0]), 2)
+    >>> ids.tolist(), round(float(lp[0] - top[0, 0]), 4)
+    ([[1, 2]], -2.0)
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    own = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, k)  # (stable: equal values keep the lower index first)
+    return own, ids.astype(jnp.int32), top
 
 
 def sample(
