@@ -27,8 +27,9 @@ import numpy as np
 from hybridattn.engine.plan import Mode, Request, StepPlan
 from hybridattn.engine.runner import Run
 from hybridattn.engine.stats import EngineStats
+from servecore.engine import TokenLogprobs
 
-__all__ = ["StatsClock", "decode_run_steps", "live_part", "read_output"]
+__all__ = ["StatsClock", "decode_run_steps", "live_part", "read_logprobs", "read_output"]
 
 
 def read_output(run: Run) -> tuple[np.ndarray, float]:
@@ -52,6 +53,30 @@ def read_output(run: Run) -> tuple[np.ndarray, float]:
         raise RuntimeError("a step refused the token slots or rows the host named (or ran "
                            "out)")
     return tokens, now
+
+
+def read_logprobs(run: Run) -> dict[int, TokenLogprobs]:
+    """The log-probabilities of a one-step ``run`` (read after ``read_output``), by request
+    id, for each of its requests that asked for them (``Request.logprobs`` = k: the sampled
+    token's and the k most likely); empty when none did.
+
+    >>> r = Request(0, [5, 6], 4, row=1, logprobs=1)
+    >>> plan = StepPlan(Mode.EXTEND, ((r, [5, 6]),), (1, 2, 64, 2))
+    >>> lp = (np.array([-0.5]), np.array([[7, 3]]), np.array([[-0.5, -1.5]]))
+    >>> read_logprobs(Run(plan, None, np.array([7]), np.array(True), [[3, 4]], (),
+    ...                   False, 0.0, 0.0, 0.0, 0.0, logprobs=lp))
+    {0: TokenLogprobs(logprob=-0.5, top=((7, -0.5),))}
+    """
+    if run.logprobs is None:
+        return {}
+    own, ids, top = (np.asarray(x) for x in run.logprobs)
+    out = {}
+    for j, (r, _) in enumerate(run.plan.work):
+        if r.logprobs is not None:
+            out[r.rid] = TokenLogprobs(float(own[j]), tuple(
+                (int(i), float(v)) for i, v in zip(ids[j, : r.logprobs],
+                                                   top[j, : r.logprobs], strict=True)))
+    return out
 
 
 def live_part(plan, tokens: np.ndarray, limits: list[int] | None):

@@ -49,6 +49,7 @@ from hybridattn.engine.commit import (
     decode_run_steps,
     live_part,
     one_step_plans,
+    read_logprobs,
     read_output,
 )
 from hybridattn.engine.options import EngineOptions
@@ -126,6 +127,10 @@ class Core:
         """``ValueError`` (naming the prompt ``name``) when ``req`` cannot fit the context or
         a token pool (``servecore.requests.RequestBuilder``'s ``check``)."""
         o, need = self.opts, req.context_len
+        if req.logprobs is not None and o.mesh is not None:
+            raise ValueError(f"{name}: logprobs={req.logprobs} is not supported by an engine "
+                             "on a mesh (mesh=...): build it on one device, or ask for "
+                             "logprobs=None")
         if need > min(o.max_context_len, self.shard_capacity):
             short = ("max_context_len" if need > o.max_context_len else
                      "the token pool" if o.mesh is None else "a data shard's token pool")
@@ -144,7 +149,8 @@ class Core:
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=next(self._default_seeds))
         self.scheduler.add(Request(rid, list(request.tokens), request.max_tokens,
-                                   sampling, frozenset(request.stop)))
+                                   sampling, frozenset(request.stop),
+                                   logprobs=request.logprobs))
 
     def cancel(self, rid: int) -> bool:
         """End request ``rid`` (waiting or running; its rows and slots are released at once);
@@ -306,7 +312,8 @@ class Core:
         (None: this round runs one step). Only a pure ``DECODE`` plan on one device, and only
         when nothing could join before the run ends: no request waits, or none running can
         reach its ``max_tokens`` before the run's last step (the head of the queue waits
-        for a row or token slots that only a finish frees). Each request runs at most its
+        for a row or token slots that only a finish frees), and none of its requests wants
+        log-probabilities (one step returns them). Each request runs at most its
         tokens left and what the plan's attention-width bucket has room for, counting, for a
         plan that follows a run in flight (``follow``), the tokens it runs there
         (``plan.ahead``) and samples there; a request leaving in flight (its row frees when
@@ -314,6 +321,8 @@ class Core:
         N = self.runner.decode_steps
         if N == 1 or self.runner.sharded is not None or plan.mode != Mode.DECODE:
             return None
+        if any(r.logprobs is not None for r, _ in plan.work):
+            return None  # the multi-step decode returns no log-probabilities
         ahead = plan.ahead or (0,) * len(plan.work)
         samples = follow.samples if follow is not None else {}
         left = [r.max_tokens - len(r.output) - samples.get(r, 0) for r, _ in plan.work]
@@ -335,6 +344,7 @@ class Core:
         skipped."""
         t_wait = time.perf_counter()
         tokens, now = read_output(run)
+        logprobs = read_logprobs(run)  # by request (one step only: no multi-step decode)
         self.runner.check_rows()
         sched, read = self.scheduler, self.runner.read_slots
         # -- commit: plain Python from here on --
@@ -365,7 +375,8 @@ class Core:
         s.snapshots_taken, s.state_evictions, s.token_evictions = sched.counters()
         cached = {r.rid: r.start for r in first}  # the first token says what the cache served
         for rid, token, finished in events:
-            self._emit(Event(rid, token, finished, cached=cached.pop(rid, None)))
+            self._emit(Event(rid, token, finished, cached=cached.pop(rid, None),
+                             logprobs=logprobs.get(rid)))
         # the commit is hidden while the next run computes (if it is still computing)
         nxt = self.runner.inflight
         self.clock.host_time(run, prefill, t_wait, now,

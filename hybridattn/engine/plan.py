@@ -46,7 +46,9 @@ class Request:
     restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
     ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
     positions, named by the engine (``hybridattn.engine.ids``; ``read_slots`` serves them
-    without a device read), ``row_borrowed`` how many of them the row borrows.
+    without a device read), ``row_borrowed`` how many of them the row borrows. ``logprobs``
+    (None, or ``k``): the request wants each token's log-probability and its ``k`` most
+    likely alternatives (the steps that run it return them).
 
     >>> r = Request(rid=3, prompt=[1, 2], max_tokens=4)
     >>> r.need, r.finished, r.tokens
@@ -77,6 +79,7 @@ class Request:
     end_depth: int = 0  # tokens that ran, once finished and inserted
     row_slots: list = dataclasses.field(default_factory=list)  # the row's slots (host's ids)
     row_borrowed: int = 0  # positions of row_slots the row borrows (the device's borrowed)
+    logprobs: int | None = None  # None, or k: each token's log-probability and its top k
     owned: int = 0
     shard: int = 0  # the data shard it runs on (``ShardedScheduler``; 0 on one device)
 

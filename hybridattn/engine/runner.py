@@ -25,7 +25,7 @@ import numpy as np
 from hybridattn import sharding
 from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine.buckets import STOP_BUCKETS, bucket
+from hybridattn.engine.buckets import LOGPROB_BUCKETS, STOP_BUCKETS, bucket
 from hybridattn.engine.ids import IdPool
 from hybridattn.engine.plan import (
     Admission,
@@ -47,10 +47,11 @@ from hybridattn.serving import (
     make_worker_batch,
     release,
     step,
+    token_logprobs,
 )
 from hybridattn.serving.decode import _padding_unless
 
-__all__ = ["Follow", "Run", "Runner", "largest_step_bytes", "work_items"]
+__all__ = ["Follow", "Run", "Runner", "largest_step_bytes", "logprob_width", "work_items"]
 
 
 def work_items(plan: StepPlan, slots: Sequence[Sequence[int]] | None = None,
@@ -95,6 +96,33 @@ def _step_tokens(params, state: ServingState, batch):
     them, so the compiled step does not return a ``[B, V]`` array it would have to keep)."""
     new, out = step(params, state, batch)
     return new, out._replace(logits=None)
+
+
+def _step_logprobs(params, state: ServingState, batch, *, k: int):
+    """``_step_tokens`` that also returns each row's log-probabilities
+    (``serving.token_logprobs`` of its logits: ``[B]`` of the sampled token, ``[B, k]`` top
+    ids and values), for a plan with a request that asked for them (``k`` bound: one jitted
+    function per ``LOGPROB_BUCKETS`` width)."""
+    new, out = step(params, state, batch)
+    return new, out._replace(logits=None), token_logprobs(out.logits, out.next_token_ids, k)
+
+
+def logprob_width(plan: StepPlan | ShardedPlan) -> int | None:
+    """The top-``k`` width a step of ``plan`` returns log-probabilities for: the largest
+    ``logprobs`` of its requests (at least 1) in ``LOGPROB_BUCKETS``; None when none asks
+    (the plain step, which returns none).
+
+    >>> from hybridattn.engine.plan import Mode
+    >>> a, b = Request(0, [5], 2, row=1, logprobs=2), Request(1, [6], 2, row=2)
+    >>> logprob_width(StepPlan(Mode.EXTEND, ((a, [5]), (b, [6])), (2, 2, 64, 1)))
+    5
+    >>> logprob_width(StepPlan(Mode.EXTEND, ((b, [6]),), (1, 1, 64, 1))) is None
+    True
+    """
+    if not isinstance(plan, StepPlan):
+        return None  # (refused at submission under a mesh)
+    ks = [r.logprobs for r, _ in plan.work if r.logprobs is not None]
+    return bucket(max(ks + [1]), LOGPROB_BUCKETS, "logprobs") if ks else None
 
 
 def largest_step_bytes(config: KimiLinearConfig, params: Any, state: Any,
@@ -216,6 +244,7 @@ class _Compiled:
         self.free_tokens = jax.jit(_free_tokens, donate_argnums=0)
         self.follow = jax.jit(_follow)
         self._decode: dict[int, Any] = {}
+        self._logprobs: dict[int, Any] = {}
 
     def decode(self, num_steps: int):
         """The jitted ``num_steps``-step decode (state donated), one function per count."""
@@ -223,6 +252,14 @@ class _Compiled:
             self._decode[num_steps] = jax.jit(
                 functools.partial(_decode_tokens, num_steps=num_steps), donate_argnums=1)
         return self._decode[num_steps]
+
+    def step_logprobs(self, k: int):
+        """The jitted step that also returns log-probabilities with ``k`` top tokens (state
+        donated), one function per width."""
+        if k not in self._logprobs:
+            self._logprobs[k] = jax.jit(functools.partial(_step_logprobs, k=k),
+                                        donate_argnums=1)
+        return self._logprobs[k]
 
     def call(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, counting a signature this engine has not used before. A
@@ -270,7 +307,8 @@ class Run:
     it (``t_pack``) and when the dispatch returned (``t_call``), and of the host seconds
     before that, ``exposed``: those during which the device had nothing queued; ``fed``: the
     requests whose tokens came from the run before it; ``ready_by``: a time a later round
-    found its outputs ready (its stats then end there, not at the commit).
+    found its outputs ready (its stats then end there, not at the commit); ``logprobs``: the
+    step's log-probabilities (``_step_logprobs``) when a request of it asked for them.
 
     >>> from hybridattn.engine.plan import Mode
     >>> plan = StepPlan(Mode.EXTEND, ((Request(0, [5, 6], 4, row=1), [5, 6]),), (1, 2, 64, 2))
@@ -293,6 +331,7 @@ class Run:
     exposed: float
     fed: tuple = ()  # requests whose token came from the run before it (Follow.fed)
     ready_by: float | None = None  # a time its outputs were found ready (before the commit)
+    logprobs: Any = None  # (token [B], top ids [B, K], top values [B, K]) if a request asked
 
 
 
@@ -406,6 +445,7 @@ class Runner:
         ``limits`` (each request's steps) a multi-step decode (``decode_steps``); returns the
         run, its outputs still on the device. With ``follow`` (the core's ``_continuation``)
         the rows it names take their tokens from the output of the run in flight."""
+        width = None if limits is not None else logprob_width(plan)
         key = (int(plan.mode), *plan.buckets) + (() if plan.num_snapshots is None else (
             plan.num_snapshots,)) + (() if limits is None else (self.decode_steps,))
         traces = self.compilations()
@@ -418,21 +458,21 @@ class Runner:
                      for k, p in enumerate(plan.plans)]
             flat = [ss for per in named for ss in per]  # plan.work's order: shard by shard
         try:
-            run = self._dispatch(plan, limits, follow, named)
+            run = self._dispatch(plan, limits, follow, named, width)
         except BaseException:  # nothing was dispatched: the slots are free again
             for (r, _), ss in zip(plan.work, flat, strict=True):
                 self.slots[r.shard].give(s for s in ss if s)
             raise
         for (r, _), ss in zip(plan.work, flat, strict=True):
             r.row_slots.extend(s for s in ss if s)  # (0: a position the row holds)
-        tokens, ok, prev = run
+        tokens, ok, prev, logprobs = run
         t_call = time.perf_counter()  # dispatched: the host side is done until the outputs
         # the device had nothing queued while this run was planned, unless the run before
         # it was still computing when it was dispatched
         busy = prev is not None and not prev.tokens.is_ready()
         return Run(plan, limits, tokens, ok, flat, key, self.compilations() > traces,
                    t_plan, t_pack, t_call, 0.0 if busy else t_call - t_plan,
-                   follow.fed if follow is not None else ())
+                   follow.fed if follow is not None else (), logprobs=logprobs)
 
     def name_slots(self, plan: StepPlan, limits: list[int] | None,
                    shard: int = 0) -> list[list[int]]:
@@ -455,10 +495,14 @@ class Runner:
             i += n
         return named
 
-    def _dispatch(self, plan, limits, follow, named):
-        """Pack and dispatch (``launch``): ``(tokens, ok, run before)``, on the device."""
+    def _dispatch(self, plan, limits, follow, named, width=None):
+        """Pack and dispatch (``launch``): ``(tokens, ok, run before, logprobs)``, on the
+        device; with ``width`` (``logprob_width``) the step that returns log-probabilities."""
+        logprobs = None
         if limits is None:
             fn, batch = self.packed(plan, named)
+            if width is not None:
+                fn = self.jit.step_logprobs(width)
             rest = ()
         else:
             fn, (batch, *rest) = self.packed_decode(plan, limits, named)
@@ -471,14 +515,17 @@ class Runner:
             batch = self.call(self.jit.follow, batch, prev.tokens, jnp.asarray(cols),
                                jnp.asarray(last), stops)
         before = self.compilations()
-        if limits is None:
+        if limits is None and width is not None:
+            self.state, out, logprobs = self.call(fn, self.params, self.state, batch)
+            tokens, ok = out.next_token_ids, out.ok
+        elif limits is None:
             self.state, out = self.call(fn, self.params, self.state, batch)
             tokens, ok = out.next_token_ids, out.ok
         else:
             self.state, tokens, ok = self.call(fn, self.params, self.state, batch, *rest)
         if self.compilations() > before and self.memory is not None:
             self._measure(fn, batch, rest)
-        return tokens, ok, prev
+        return tokens, ok, prev, logprobs
 
     def _measure(self, fn, batch, rest) -> None:
         """A new step executable: raise ``memory.working_bytes`` to what it needs beside the
