@@ -413,6 +413,9 @@ def test_engine_mesh_errors_name_the_value(params):
     with pytest.raises(ValueError, match=r"needs a context of 20 tokens, more than a data "
                                          r"shard's token pool holds.*per data shard \(of 2\)"):
         eng.add_request([1] * 20, 1)
+    with pytest.raises(ValueError, match=r"prompt: logprobs=2 is not supported by an engine "
+                                         r"on a mesh"):
+        eng.streams.add_request([1, 2], 1, logprobs=2)
     assert not eng.has_unfinished()
 
 
