@@ -8,7 +8,8 @@ parses, validates, queues and writes.
 A generation's answer (``Answer``) is an ASGI response that watches its client while it
 works: the moment the client's connection closes (``http.disconnect``: during the prefill,
 between tokens, streaming or not) it stops and the worker aborts the requests, instead of
-finding out when a write fails. Every error is an ``APIError`` rendered in the shape of the
+finding out when a write fails; one that leaves while it sends its body is counted as gone
+too (499), not as a fault. Every error is an ``APIError`` rendered in the shape of the
 API the route speaks; a fault inside a handler is a 500 and the server goes on.
 """
 
@@ -332,6 +333,12 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
         return await api_error(request, APIError(
             e.status_code, f"{what}: {request.method} {request.url.path}"))
 
+    async def client_gone(request: Request, e: ClientDisconnect) -> Response:
+        # the client left while sending its body: no fault, and nobody reads the answer
+        server.metrics.disconnected()
+        server.metrics.request(request.url.path, 499)
+        return Response(status_code=499)
+
     async def fault(request: Request, e: Exception) -> Response:
         log.exception("a fault serving %s %s", request.method, request.url.path)
         return await api_error(request, APIError(500, f"internal error: {e!r}"))
@@ -345,6 +352,7 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
             await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
 
     app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
-        APIError: api_error, HTTPException: http_error, Exception: fault})
+        APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+        Exception: fault})
     app.state.server = server
     return app
