@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
+import time
 from typing import Any
 
 import httpx
@@ -217,3 +220,23 @@ def test_long_prompt_closed_before_its_first_token(setup, route, when):
     assert made <= most and s.engine.stats.requests <= requests + most, (
         f"{made} tokens made: the generation went on after its client left")
     _served_right_and_whole(s, route, "long")
+
+
+@pytest.mark.parametrize("sent", ["headers", "half the body"])
+def test_a_client_that_leaves_while_sending_is_no_fault(setup, sent, caplog):
+    """Closed before the body is whole: counted as a client gone (499), never logged or
+    counted as a fault (500), and the server serves on."""
+    s = setup
+    caplog.set_level(logging.WARNING)
+    gone = _disconnects(s)
+    raw = wire.request_bytes(CHAT, s.body(CHAT, "short"))
+    head, body = raw.split(b"\r\n\r\n", 1)
+    sock = socket.create_connection(("127.0.0.1", s.running.port))
+    sock.sendall(head + b"\r\n\r\n" + (b"" if sent == "headers" else body[: len(body) // 2]))
+    time.sleep(0.1)  # the route waits for the rest of its body
+    wire.close(sock)
+    wire.wait_for(lambda: _disconnects(s) == gone + 1, 5.0, "the disconnect being counted")
+    metrics = httpx.get(s.running.url + "/metrics").text
+    assert 'status="500"' not in metrics and 'status="499"' in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    _served_right_and_whole(s, CHAT, "short")
