@@ -57,25 +57,30 @@ def close(sock: socket.socket, reset: bool = False) -> None:
     sock.close()
 
 
-def sse_text(body: bytes, route: str) -> str:
-    """The text a stream of ``route`` carried (its events' deltas, joined)."""
-    out = []
+def sse_texts(body: bytes, route: str) -> list[str]:
+    """The text of each choice a stream of ``route`` carried (its events' deltas, joined)."""
+    out: dict[int, str] = {}
     for line in body.decode().splitlines():
         if not line.startswith("data: {"):
             continue
-        event = json.loads(line[6:])
-        for choice in event.get("choices", []):
-            if route == "/v1/chat/completions":
-                out.append(choice["delta"].get("content") or "")
-            else:
-                out.append(choice.get("text") or "")
-    return "".join(out)
+        for choice in json.loads(line[6:]).get("choices", []):
+            delta = (choice["delta"].get("content") if route == "/v1/chat/completions"
+                     else choice.get("text"))
+            out[choice["index"]] = out.get(choice["index"], "") + (delta or "")
+    return [out[i] for i in sorted(out)]
+
+
+def answer_texts(body: dict[str, Any], route: str) -> list[str]:
+    """The text of each choice of a whole (non-streamed) answer of ``route``."""
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    if route == "/v1/chat/completions":
+        return [c["message"]["content"] for c in choices]
+    return [c["text"] for c in choices]
 
 
 def answer_text(body: dict[str, Any], route: str) -> str:
-    """The text of a whole (non-streamed) answer of ``route``."""
-    choice = body["choices"][0]
-    return choice["message"]["content"] if route == "/v1/chat/completions" else choice["text"]
+    """The text of a whole answer's first choice."""
+    return answer_texts(body, route)[0]
 
 
 def counter(metrics_text: str, name: str) -> float:
