@@ -136,6 +136,11 @@ def assert_no_leak(engine: Any) -> None:
         assert engine.num_free_slots + engine.num_cached_slots == engine.capacity, (
             engine.num_free_slots, engine.num_cached_slots, engine.capacity)
         assert_whole(engine)  # (resets the prefix cache at the end)
+        if engine.tree is not None:  # and with the cache gone every snapshot slot is free
+            slots = engine.scheduler.snapshot_slots
+            assert engine.tree.num_states == 0 and slots.num_free == slots.capacity
+        states = engine.state.req_to_token_pool.state_allocator
+        assert int(states.num_free) == states.capacity, "a request's state slot leaked"
         return
     tree = engine.tree  # mlxcache: slot 0 is the padding sink
     assert not engine.has_unfinished() and not engine.core.jobs, "a request outlived its client"
