@@ -1,10 +1,10 @@
 """A bounded load test on loopback, for both engines: ``CLIENTS`` concurrent clients (64)
 for ``SECONDS`` (10 here; ``SERVECORE_LOAD_SECONDS=60`` for the issue's minute, by hand,
 ``SERVECORE_LOAD_CLIENTS`` for another count), greedy requests drawn from a small pool of
-word prompts (chats behind one system prompt, second turns, plain completions), streamed or
-not, one answer or two (``n=2``). A quarter of the clients leave every request at a random
-point (raw sockets: right after sending, after some events, after a random time); the others
-read every answer to its end.
+word prompts (chats behind one system prompt, second turns, stop strings, plain
+completions, Anthropic messages), streamed or not, one answer or two (``n=2``). A quarter
+of the clients leave every request at a random point (raw sockets: right after sending,
+after some events, after a random time); the others read every answer to its end.
 
 Every answer read to its end equals its prompt served alone by the engine (computed before
 the server starts); nothing is logged as an error; at the end the worker is idle, no slot or
@@ -31,7 +31,7 @@ from server_harness import MODEL, hybrid_engine, mlx_engine, serving
 
 SECONDS = float(os.environ.get("SERVECORE_LOAD_SECONDS", "10"))
 CLIENTS = int(os.environ.get("SERVECORE_LOAD_CLIENTS", "64"))
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 
 
 @dataclasses.dataclass
@@ -45,25 +45,38 @@ class Item:
 
 
 def _pool(engine, seed: int = 35) -> list[Item]:
-    """Ten prompts: six chats behind one system prompt, two second turns of them, two plain
-    completions; each with its own max_tokens; each answered alone (the oracle)."""
+    """Fourteen prompts: six chats behind one system prompt, two second turns of them, two
+    with a stop string, two plain completions, two Anthropic messages; each with its own
+    max_tokens; each answered alone (the oracle)."""
     rng = np.random.default_rng(seed)
     vocab = engine.streams.build.vocab_size
 
     def words(lo, hi):
         return wire.random_words(rng, vocab, int(rng.integers(lo, hi)))
 
+    def max_tokens():
+        return int(rng.integers(4, 25))
+
     system = {"role": "system", "content": words(12, 16)}
-    prompts: list[tuple[str, Any]] = [
-        (CHAT, [system, {"role": "user", "content": words(2, 8)}]) for _ in range(6)]
-    prompts += [(COMPLETIONS, words(3, 20)) for _ in range(2)]
-    pool: list[Item] = []
-    for route, prompt in prompts:
-        pool.append(_item(engine, route, prompt, int(rng.integers(4, 25))))
+    chats = [[system, {"role": "user", "content": words(2, 8)}] for _ in range(8)]
+    pool = [_item(engine, CHAT, chat, max_tokens()) for chat in chats[:6]]
     for first in pool[:2]:  # second turns: the first turn, its answer, a new question
         turn = first.body["messages"] + [{"role": "assistant", "content": first.want},
                                          {"role": "user", "content": words(2, 8)}]
-        pool.append(_item(engine, CHAT, turn, int(rng.integers(4, 25))))
+        pool.append(_item(engine, CHAT, turn, max_tokens()))
+    for chat in chats[6:]:  # a stop string: the answer's third word
+        item = _item(engine, CHAT, chat, 24)
+        stop = (item.want.split() + ["w6"] * 3)[2]
+        if stop in item.want:
+            item.want = item.want[:item.want.index(stop)]
+        pool.append(dataclasses.replace(item, body={**item.body, "stop": [stop]}))
+    pool += [_item(engine, COMPLETIONS, words(3, 20), max_tokens()) for _ in range(2)]
+    for _ in range(2):
+        user = {"role": "user", "content": words(2, 8)}
+        item = _item(engine, CHAT, [system, user], max_tokens())
+        body = {"model": MODEL, "system": system["content"], "messages": [user],
+                "max_tokens": item.body["max_tokens"], "temperature": 0}
+        pool.append(Item(MESSAGES, body, item.want))
     engine.reset_cache()
     return pool
 
@@ -73,6 +86,10 @@ def _item(engine, route: str, prompt: Any, max_tokens: int) -> Item:
     want = engine.generate([prompt], max_tokens, text=True)[0]
     return Item(route, {"model": MODEL, key: prompt, "max_tokens": max_tokens,
                         "temperature": 0}, want)
+
+
+def _body(item: Item, stream: bool, n: int) -> dict[str, Any]:
+    return {**item.body, "stream": stream, **({"n": n} if item.route != MESSAGES else {})}
 
 
 @dataclasses.dataclass
@@ -85,7 +102,7 @@ class Tally:
 
 async def _whole(http: httpx.AsyncClient, item: Item, stream: bool, n: int) -> list[str]:
     """Ask for ``item`` (``n`` choices) and read its answer to the end; their texts."""
-    body = {**item.body, "stream": stream, "n": n}
+    body = _body(item, stream, n)
     if not stream:
         r = await http.post(item.route, json=body)
         assert r.status_code == 200, r.text
@@ -93,7 +110,8 @@ async def _whole(http: httpx.AsyncClient, item: Item, stream: bool, n: int) -> l
     async with http.stream("POST", item.route, json=body) as r:
         assert r.status_code == 200, await r.aread()
         raw = b"".join([chunk async for chunk in r.aiter_bytes()])
-    assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+    end = b'data: {"type":"message_stop"}' if item.route == MESSAGES else b"data: [DONE]"
+    assert raw.rstrip().endswith(end), raw[-200:]
     return wire.sse_texts(raw, item.route)
 
 
@@ -102,7 +120,7 @@ async def _leave(port: int, item: Item, stream: bool, n: int,
     """Send ``item`` on a raw socket and close it at a random point: at once, after a few
     of the stream's events, or after a random time."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(wire.request_bytes(item.route, {**item.body, "stream": stream, "n": n}))
+    writer.write(wire.request_bytes(item.route, _body(item, stream, n)))
     await writer.drain()
     how = rng.random()
     if stream and how < 0.6:
@@ -128,7 +146,7 @@ async def _client(i: int, url: str, port: int, pool: list[Item], deadline: float
         while time.monotonic() < deadline:
             item = pool[int(rng.integers(len(pool)))]
             stream = bool(rng.random() < 0.5)
-            n = 2 if rng.random() < 0.2 else 1  # greedy: both choices are the answer
+            n = 2 if rng.random() < 0.2 and item.route != MESSAGES else 1  # greedy: twice
             if leaves:
                 await _leave(port, item, stream, n, rng)
                 tally.left += 1

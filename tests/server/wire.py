@@ -63,7 +63,10 @@ def sse_texts(body: bytes, route: str) -> list[str]:
     for line in body.decode().splitlines():
         if not line.startswith("data: {"):
             continue
-        for choice in json.loads(line[6:]).get("choices", []):
+        event = json.loads(line[6:])
+        if event.get("type") == "content_block_delta":  # /v1/messages
+            out[0] = out.get(0, "") + event["delta"]["text"]
+        for choice in event.get("choices", []):
             delta = (choice["delta"].get("content") if route == "/v1/chat/completions"
                      else choice.get("text"))
             out[choice["index"]] = out.get(choice["index"], "") + (delta or "")
@@ -72,6 +75,8 @@ def sse_texts(body: bytes, route: str) -> list[str]:
 
 def answer_texts(body: dict[str, Any], route: str) -> list[str]:
     """The text of each choice of a whole (non-streamed) answer of ``route``."""
+    if route == "/v1/messages":
+        return ["".join(b["text"] for b in body["content"] if b["type"] == "text")]
     choices = sorted(body["choices"], key=lambda c: c["index"])
     if route == "/v1/chat/completions":
         return [c["message"]["content"] for c in choices]
