@@ -240,3 +240,24 @@ def test_a_client_that_leaves_while_sending_is_no_fault(setup, sent, caplog):
     assert 'status="500"' not in metrics and 'status="499"' in metrics
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     _served_right_and_whole(s, CHAT, "short")
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_a_long_prefill_streams_keepalives_then_the_answer(setup, route):
+    """While a long prompt is prefilled the stream carries keep-alive comments (the wait
+    for the engine times out again and again without losing an event), then its answer:
+    the engine's own, whole."""
+    s = setup
+    server = s.running.server
+    server.keepalive = 0.05
+    try:
+        with wire.slowed(s.engine, s.prefill_delay):
+            sock = wire.send(s.running.port, route, s.body(route, "long", stream=True))
+            raw = wire.read_until(sock, lambda b: b.endswith(b"0\r\n\r\n"))
+            sock.close()
+    finally:
+        server.keepalive = 10.0
+    assert raw.count(b": keep-alive\n\n") >= 2
+    assert wire.sse_texts(raw.split(b"\r\n\r\n", 1)[1], route) == [s.want[route, "long"]]
+    s.running.idle()
+    wire.assert_no_leak(s.engine)
