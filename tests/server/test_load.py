@@ -1,10 +1,12 @@
 """A bounded load test on loopback, for both engines: ``CLIENTS`` concurrent clients (64)
-for ``SECONDS`` (10 here; ``SERVECORE_LOAD_SECONDS=60`` for the issue's minute, by hand,
-``SERVECORE_LOAD_CLIENTS`` for another count), greedy requests drawn from a small pool of
-word prompts (chats behind one system prompt, second turns, stop strings, plain
-completions, Anthropic messages), streamed or not, one answer or two (``n=2``). A quarter
-of the clients leave every request at a random point (raw sockets: right after sending,
-after some events, after a random time); the others read every answer to its end.
+for ``SECONDS`` (10 here), greedy requests drawn from a small pool of word prompts (chats
+behind one system prompt, second turns, stop strings, plain completions, Anthropic
+messages), streamed or not, one answer or two (``n=2``). A quarter of the clients leave
+every request at a random point (raw sockets: right after sending, after some events, after
+a random time); the others read every answer to its end. By hand, the environment sets
+another run: ``SERVECORE_LOAD_SECONDS=60`` (the issue's minute), ``SERVECORE_LOAD_CLIENTS``,
+``SERVECORE_LOAD_MLX_FAMILY`` (another ``mlxcache.zoo`` model than llama, e.g. the hybrid
+``qwen3_next``).
 
 Every answer read to its end equals its prompt served alone by the engine (computed before
 the server starts); nothing is logged as an error; at the end the worker is idle, no slot or
@@ -31,6 +33,7 @@ from server_harness import MODEL, hybrid_engine, mlx_engine, serving
 
 SECONDS = float(os.environ.get("SERVECORE_LOAD_SECONDS", "10"))
 CLIENTS = int(os.environ.get("SERVECORE_LOAD_CLIENTS", "64"))
+MLX_FAMILY = os.environ.get("SERVECORE_LOAD_MLX_FAMILY", "llama")  # or qwen3_next, ...
 CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 
 
@@ -164,7 +167,7 @@ async def _client(i: int, url: str, port: int, pool: list[Item], deadline: float
 def engine(request):
     if request.param == "hybridattn":  # max_context_len 96, 8 rows, 384 token slots
         return hybrid_engine()
-    return mlx_engine(num_slots=1024, max_batch_size=16)
+    return mlx_engine(MLX_FAMILY, num_slots=1024, max_batch_size=16)
 
 
 def test_clients_that_stay_get_their_answers_and_those_that_leave_leak_nothing(
