@@ -326,18 +326,14 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
             log.error("%s %s: %s", request.method, request.url.path, e.message)
         path = request.url.path  # (a label per route, not per path a client made up)
         server.metrics.request(path if path in routes else "other", e.status)
+        if e.status == 499:  # the client left (while it sent its body): no fault
+            server.metrics.disconnected()
         return JSONResponse(_shape(request.url.path, e), status_code=e.status)
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         what = ("no route" if e.status_code == 404 else "method not allowed")
         return await api_error(request, APIError(
             e.status_code, f"{what}: {request.method} {request.url.path}"))
-
-    async def client_gone(request: Request, e: ClientDisconnect) -> Response:
-        # the client left while sending its body: no fault, and nobody reads the answer
-        server.metrics.disconnected()
-        server.metrics.request(request.url.path, 499)
-        return Response(status_code=499)
 
     async def fault(request: Request, e: Exception) -> Response:
         log.exception("a fault serving %s %s", request.method, request.url.path)
@@ -352,7 +348,6 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
             await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
 
     app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
-        APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
-        Exception: fault})
+        APIError: api_error, HTTPException: http_error, Exception: fault})
     app.state.server = server
     return app
