@@ -30,7 +30,7 @@ def _engine(kind):
 def srv(request):
     engine = _engine(request.param)
     with engine, serving(engine) as running:
-        running.engine = engine
+        running.engine, running.kind = engine, request.param
         yield running
 
 
@@ -49,6 +49,16 @@ def test_chat_streamed_equals_whole_equals_the_engine(srv):
     finishes = [c.choices[0].finish_reason for c in chunks
                 if c.choices and c.choices[0].finish_reason]
     assert whole.choices[0].message.content == streamed == _alone(srv.engine, CHAT, 12)
+    if srv.kind == "mlx":  # and mlx-lm's own greedy decoding of the same prompt agrees
+        from mlxcache import zoo
+        from servecore.prompts import encode_prompt
+
+        tok = srv.engine.tokenizer
+        ids = encode_prompt("chat", CHAT, tok, zoo.VOCAB)
+        want = zoo.reference_generate(srv.engine.model, ids, 12)
+        eos = {tok.eos_token_id}
+        cut = next((i for i, t in enumerate(want) if t in eos), len(want))
+        assert streamed == tok.decode(want[:cut])
     assert finishes == [whole.choices[0].finish_reason] and len(finishes) == 1
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.usage.prompt_tokens_details.cached_tokens >= 0
