@@ -115,7 +115,7 @@ def logprob_width(plan: StepPlan | ShardedPlan) -> int | None:
     >>> from hybridattn.engine.plan import Mode
     >>> a, b = Request(0, [5], 2, row=1, logprobs=2), Request(1, [6], 2, row=2)
     >>> logprob_width(StepPlan(Mode.EXTEND, ((a, [5]), (b, [6])), (2, 2, 64, 1)))
-    5
+    20
     >>> logprob_width(StepPlan(Mode.EXTEND, ((b, [6]),), (1, 1, 64, 1))) is None
     True
     """

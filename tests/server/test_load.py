@@ -1,5 +1,5 @@
 """A bounded load test on loopback, for both engines: ``CLIENTS`` concurrent clients (64)
-for ``SECONDS`` (10 here), greedy requests drawn from a small pool of word prompts (chats
+for ``SECONDS`` (6 here), greedy requests drawn from a small pool of word prompts (chats
 behind one system prompt, second turns, stop strings, plain completions, Anthropic
 messages), streamed or not, one answer or two (``n=2``). A quarter of the clients leave
 every request at a random point (raw sockets: right after sending, after some events, after
@@ -31,7 +31,7 @@ import pytest
 import wire
 from server_harness import MODEL, hybrid_engine, mlx_engine, serving
 
-SECONDS = float(os.environ.get("SERVECORE_LOAD_SECONDS", "10"))
+SECONDS = float(os.environ.get("SERVECORE_LOAD_SECONDS", "6"))
 CLIENTS = int(os.environ.get("SERVECORE_LOAD_CLIENTS", "64"))
 MLX_FAMILY = os.environ.get("SERVECORE_LOAD_MLX_FAMILY", "llama")  # or qwen3_next, ...
 CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
