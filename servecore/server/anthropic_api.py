@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from servecore.server.fields import Fields
+from servecore.server.fields import Fields, text_parts
 from servecore.server.generation import Ask, Usage
 from servecore.server.openai_api import _encode
 
@@ -28,22 +28,8 @@ MAX_STOP = 8
 
 
 def _blocks(value: Any, where: str) -> str:
-    """A string, or a list of text blocks joined."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise Fields({}, prefix=where).fail("", f"{where} must be a string or a list of text "
-                                            "blocks")
-    texts = []
-    for j, block in enumerate(value):
-        b = Fields(block, f"{where}[{j}]", prefix=f"{where}[{j}].")
-        if b.string("type", required=True) != "text":
-            raise b.fail("type", f"{where}[{j}].type must be 'text' (this server reads text "
-                         "blocks only)")
-        texts.append(b.string("text", required=True))
-        b.ignored("cache_control", "citations")
-        b.finish()
-    return "".join(texts)
+    """A string, or a list of text blocks joined (``fields.text_parts``)."""
+    return text_parts(value, where, ignored=("cache_control", "citations"))
 
 
 def _chat(f: Fields) -> list[dict[str, str]]:

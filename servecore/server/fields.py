@@ -26,7 +26,7 @@ from typing import Any
 
 from servecore.server.errors import APIError
 
-__all__ = ["Fields", "parse_json"]
+__all__ = ["Fields", "parse_json", "text_parts"]
 
 _MISSING = object()
 
@@ -151,3 +151,31 @@ class Fields:
         if extra:
             raise APIError(400, f"unrecognized request argument supplied: {extra[0]}",
                            param=self.prefix + extra[0])
+
+
+def text_parts(value: Any, where: str, ignored: tuple[str, ...] = ("cache_control",)) -> str:
+    """Content as both APIs give it: a string, or a list of ``{"type": "text", "text": ...}``
+    parts, joined (``ignored``: the part fields read and dropped); 400 naming ``where``.
+
+    >>> text_parts([{"type": "text", "text": "w5 "}, {"type": "text", "text": "w6"}], "content")
+    'w5 w6'
+    >>> try:
+    ...     text_parts([{"type": "image"}], "messages[0].content")
+    ... except APIError as e:
+    ...     print(e.status, e.param)
+    400 messages[0].content[0].type
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(value):
+        p = Fields(part, f"{where}[{j}]", prefix=f"{where}[{j}].")
+        if p.string("type", required=True) != "text":
+            raise p.fail("type", f"{where}[{j}].type must be 'text' (this server reads text "
+                         "only)")
+        texts.append(p.string("text", required=True))
+        p.ignored(*ignored)
+        p.finish()
+    return "".join(texts)

@@ -25,7 +25,7 @@ from typing import Any
 
 from servecore.prompts import encode_prompt
 from servecore.server.errors import APIError
-from servecore.server.fields import Fields
+from servecore.server.fields import Fields, text_parts
 from servecore.server.generation import Ask, Usage
 
 __all__ = ["parse_chat", "parse_completion"]
@@ -121,21 +121,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if role not in ROLES:
         raise f.fail("role", f"messages[{i}].role must be one of {sorted(ROLES)}, not "
                      f"{role!r} (tool messages need tools, which this server does not serve)")
-    content = f.required("content")
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            p = Fields(part, f"messages[{i}].content[{j}]", prefix=f"messages[{i}].content[{j}].")
-            if p.string("type", required=True) != "text":
-                raise p.fail("type", f"messages[{i}].content[{j}].type must be 'text' (this "
-                             "server reads text only)")
-            parts.append(p.string("text", required=True))
-            p.ignored("cache_control")
-            p.finish()
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise f.fail("content", f"messages[{i}].content must be a string or a list of text "
-                     "parts")
+    content = text_parts(f.required("content"), f"messages[{i}].content")
     f.ignored("name", "refusal", "annotations", "audio")  # a reply sent back as it came
     f.unsupported("tool_calls", [])
     f.unsupported("function_call")

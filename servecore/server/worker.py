@@ -57,11 +57,6 @@ class Generation:
         self.submitted_at = time.perf_counter()
         self.first_at: float | None = None
 
-    def put(self, choice: int, item: Any) -> None:
-        """Hand ``item`` to the event loop (from the worker thread; ``EngineWorker`` hands
-        a round's items over together instead)."""
-        _hand_over(self.loop, [(self, choice, item)])
-
 
 def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, int, Any]]
                ) -> None:
