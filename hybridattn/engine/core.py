@@ -461,13 +461,22 @@ def _buckets(opts: EngineOptions, rows: int) -> StepBuckets:
         snapshot=opts.snapshot_buckets, sharded=opts.mesh is not None)
 
 
+# The share of the budget above which pools and parameters leave too little room to take
+# the steps' working memory on trust: the automatic sizer then compiles the largest step
+# first (about 10 s cold for a serving-sized model) and reserves what it needs.
+RESERVE_ABOVE = 0.5
+
+
 def _sized(config: KimiLinearConfig, params: Any, opts: EngineOptions,
            sharded: sharding.ShardedStep | None) -> tuple[PoolSizes, StepBuckets, int]:
     """The pools (``sizing.pool_sizes``: bytes per token and per request read from the
     pools' own layout) and step buckets of an engine, and the step working memory reserved.
-    With the token pool sized automatically, the largest prefill step is compiled first on
-    the shapes of the pools it would get (``runner.largest_step_bytes``; the engine reuses
-    that compilation when it runs that step) and its temporaries come out of the budget."""
+    With the token pool sized automatically and the pools and parameters taking more than
+    ``RESERVE_ABOVE`` of the budget, the largest prefill step is compiled first on the
+    shapes of the pools it would get (``runner.largest_step_bytes``; the engine reuses that
+    compilation when it runs that step) and its temporaries come out of the budget. Below
+    that the rest of the budget is the reserve, and the working memory is measured as the
+    steps compile, as it is for a pool of a given size."""
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     D, L = opts.num_data_shards, opts.max_context_len
     sizes = pool_sizes(opts, config, param_bytes)
@@ -478,6 +487,9 @@ def _sized(config: KimiLinearConfig, params: Any, opts: EngineOptions,
         config, num_token_slots=sizes.num_token_slots, max_context_len=L,
         num_snapshot_slots=sizes.num_snapshot_slots, max_running_requests=sizes.rows,
         mesh=opts.mesh, dtype=opts.dtype, chunk_size=opts.chunk_size, seed=opts.seed))
+    pools = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    if pools + param_bytes <= RESERVE_ABOVE * sizes.budget_bytes:
+        return sizes, buckets, 0
     T = buckets.token[-1]
     M = buckets.snapshot[-1] if sizes.num_snapshot_slots else None
     working = largest_step_bytes(

@@ -64,11 +64,15 @@ def test_the_automatic_sizer_reserves_the_largest_steps_working_memory(monkeypat
     temporaries out of the budget, so pools, parameters and working memory fit in it, and no
     step the engine compiles afterwards (prefill and decode buckets of every size) needs
     more."""
+    import hybridattn.engine.core as C
     import hybridattn.engine.sizing as E
 
     kw = dict(max_running_requests=4, max_context_len=96, decode_steps=4, mem_fraction=0.5,
               chunked_prefill_size=64, prefix_cache=False)
-    roomy = Engine(CFG, PARAMS, **kw).memory  # every request at full context fits
+    with monkeypatch.context() as m:  # a roomy budget reserves nothing unless asked to
+        assert Engine(CFG, PARAMS, **kw).memory.working_bytes == 0
+        m.setattr(C, "RESERVE_ABOVE", 0.0)
+        roomy = Engine(CFG, PARAMS, **kw).memory  # every request at full context fits
     assert roomy.num_token_slots == 4 * 96 + 1 and roomy.working_bytes > 0
     # a budget that holds the parameters, the tables, the states, the working memory and
     # 200 token slots

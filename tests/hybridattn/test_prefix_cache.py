@@ -330,10 +330,12 @@ def test_soak_250_requests_with_sessions_tight_pools_and_both_evictions():
 
 
 def test_automatic_sizing_keeps_tokens_and_snapshots_within_the_budget(monkeypatch):
+    import hybridattn.engine.core as C
     import hybridattn.engine.sizing as E
 
     for cache in (False, True):
         kw = dict(max_running_requests=4, max_context_len=96, prefix_cache=cache)
+        monkeypatch.setattr(C, "RESERVE_ABOVE", 0.0)  # reserved however roomy the budget
         working = Engine(CFG, PARAMS, **kw).memory.working_bytes  # the largest step's
         # a budget of 1.5 MiB beside the working memory
         monkeypatch.setattr(E, "available_memory_bytes", lambda w=working: 2 * (w + (3 << 19)))
