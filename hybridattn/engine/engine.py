@@ -73,9 +73,8 @@ class Engine:
             pool is sized on its own (a pool smaller than one full context serves one request
             at a time, each prompt + generation within the pool).
         num_token_slots: MLA token slots; default: what ``mem_fraction`` of the available
-            memory holds beside the parameters, tables, KDA states and the largest step's
-            working memory (compiled first if the pools fill half), at most every request
-            at full context.
+            memory holds beside the parameters, tables, KDA states and step working memory
+            (the largest step's, compiled first if pools fill half), at most every row full.
         mem_fraction: the share of ``available_memory_bytes()`` the default pool may use.
         chunked_prefill_size: prompt tokens per step (long prompts span several steps);
             default ``default_chunked_prefill_size(max_context_len)``: 256, or 2048 past
