@@ -100,6 +100,9 @@ def format_server_table(r: dict) -> str:
                 ratio = w.get("ratios", {}).get(key)
                 lines.append(f"  {label:<24}{cells[0]:>16}{cells[1]:>16}"
                              + (f"{ratio:>8.2f}x" if ratio is not None else ""))
+            if w.get("wall_ratios") and len(w["wall_ratios"]) > 1:
+                lo, hi = min(w["wall_ratios"]), max(w["wall_ratios"])
+                lines.append(f"  {'wall ratio, rounds':<24}{'':>31}{lo:>5.2f}-{hi:.2f}x")
             if "agree" in w:
                 agree = f"{w['agree']}/{w['total']}"
                 lines.append(f"  {'greedy answers agree':<24}{agree:>16}")

@@ -6,7 +6,7 @@ For each family (``llama``: ``KVCache``; ``qwen3_next``: hybrid, gated-delta ``A
 layers and a full-attention layer; ``gemma3_text``: a sliding window of ``zoo.SLIDING_WINDOW``
 tokens and a global layer) ``zoo.save_checkpoint`` writes the tiny random model and the word
 tokenizer into a temporary directory; both servers load it and answer one warm-up request
-each, then ``--repeats`` rounds (3; 1 with ``--quick``) run every workload of
+each, then ``--repeats`` rounds (7; 1 with ``--quick``) run every workload of
 ``chat_workloads``, with fresh words each round, on one server and then the other (the order
 alternates from round to round, so a busy spell on a shared machine slows both alike; each
 server keeps its own prompt cache; no two workloads or rounds share a prompt). Every request
@@ -144,7 +144,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     """Each server's runs of one workload (``runs[server]``, one per repeat) as one entry:
     per server the median of every figure over the repeats; the greedy answers that agree
     between the servers (all repeats); the ratios ours / anchor (times: medians of the
-    per-repeat ratios; computed tokens: of the medians)."""
+    per-repeat ratios; computed tokens: of the medians) and each repeat's wall-time ratio
+    (``wall_ratios``, the spread)."""
     servers: dict = {}
     for name, rs in runs.items():
         bad = [r for r in rs if "error" in r]
@@ -160,6 +161,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     out["agree"], out["total"] = sum(a == b for a, b in pairs), len(pairs)
     ratios = {k: statistics.median(o[k] / n[k] for o, n in zip(ours, anchor, strict=True))
               for k in TIMES if all(n[k] for n in anchor)}
+    # the spread: each round's wall-time ratio (a paired median hides how far rounds swing)
+    out["wall_ratios"] = [o["wall_s"] / n["wall_s"] for o, n in zip(ours, anchor, strict=True)]
     c_ours, c_anchor = servers[OURS]["computed_tokens"], servers[ANCHOR]["computed_tokens"]
     if c_ours is not None and c_anchor:
         ratios["computed_tokens"] = c_ours / c_anchor
@@ -232,9 +235,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--repeats", type=int, default=None,
-                   help="rounds of every workload, fresh words each (default 3; 1 with --quick)")
+                   help="rounds of every workload, fresh words each (default 7; 1 with "
+                   "--quick)")
     args = p.parse_args(argv)
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    # Seven: the workloads take under a second each, and on a shared 2-core machine one
+    # round's wall-time ratio swings by tens of percent (llama's multi-turn went from 0.73x to
+    # 1.60x over four 3-round runs); the table prints the rounds' range beside the median.
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 7)
     if repeats < 1:
         p.error(f"--repeats {repeats} must be at least 1")
     result = run(args.quick, tuple(args.families), repeats)
