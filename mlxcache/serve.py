@@ -35,6 +35,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--num-snapshots", type=int, default=None)
     e.add_argument("--snapshot-interval", type=int, default=256)
+    e.add_argument("--cache-dir", default=None,
+                   help="a directory for the prefix cache's disk tier: evicted prefixes "
+                   "spill there, and a restarted server finds them (one server per directory)")
+    e.add_argument("--disk-budget", type=float, default=8.0,
+                   help="GiB the --cache-dir may hold (default 8)")
     add_server_args(p, default_name="mlx-model")
     return p
 
@@ -53,7 +58,8 @@ def build_engine(args: argparse.Namespace):
                   mem_fraction=args.mem_fraction, max_batch_size=args.max_batch_size,
                   prefix_cache=not args.no_prefix_cache,
                   prefill_step_size=args.prefill_step_size,
-                  num_snapshots=args.num_snapshots, snapshot_interval=args.snapshot_interval)
+                  num_snapshots=args.num_snapshots, snapshot_interval=args.snapshot_interval,
+                  cache_dir=args.cache_dir, disk_budget=int(args.disk_budget * (1 << 30)))
 
 
 def main(argv: list[str] | None = None) -> int:

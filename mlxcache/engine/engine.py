@@ -19,11 +19,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcache.engine.disk import DISK_PAGE_TOKENS, salt_of
 from mlxcache.engine.memory import MemoryReport
 from mlxcache.engine.options import UnusedOptionWarning, check_options, unused_options
 from mlxcache.engine.runner import Runner
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import ReuseDisabledWarning, Support
+from servecore.diskcache import DiskStore
 from servecore.engine import delegate
 from servecore.prompts import Prompt, check_tokenizer
 from servecore.requests import GenerationRequest, RequestBuilder
@@ -84,6 +86,10 @@ class Engine:
             alone may have more). None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, and
             there the batch is also sized for the mean TTFT (``CPU_FORWARD_COST_TOKENS``);
             ``prefill_step_size`` on a GPU (``mlxcache.engine.admission``).
+        cache_dir: a directory for the disk tier (``mlxcache.engine.disk``): evicted prefixes
+            spill there and reload on a match, ``close`` spills what memory holds, and a new
+            engine on the directory finds them; ``disk_budget`` bytes at most, leaving
+            ``disk_min_free`` free on the disk. One engine owns a directory at a time.
 
     Scheduling, for time to first token: a round that admitted a prefill batch does not
     decode while admissible requests still wait (prefill first, as SGLang schedules), and
@@ -160,7 +166,8 @@ class Engine:
                  page_size: int = 1, mem_fraction: float = 0.5, max_batch_size: int = 32,
                  prefix_cache: bool = True, prefill_step_size: int = 2048,
                  num_snapshots: int | None = None, snapshot_interval: int = 256,
-                 prefill_batch_tokens: int | None = None):
+                 prefill_batch_tokens: int | None = None, cache_dir: Any = None,
+                 disk_budget: int = 8 << 30, disk_min_free: int = 1 << 30):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
                              f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
@@ -181,6 +188,8 @@ class Engine:
         try:  # the probe runs the model: on the engine's thread, as every round
             self.support = owner.call(Support.probe, model, self.options.prefix_cache)
             self.core = owner.call(Runner, model, self.support, self.options, self.stats)
+            if cache_dir is not None:
+                _attach_disk(self, owner, cache_dir, disk_budget, disk_min_free)
         except BaseException:
             owner.close()
             raise
@@ -428,6 +437,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether any request is queued, running or has tokens in flight."""
         return self.streams.has_unfinished()
+
+
+def _attach_disk(engine: Engine, owner: OwnerThread, cache_dir: Any, budget: int,
+                 min_free: int) -> None:
+    """The disk tier of ``Engine(cache_dir=...)`` under the engine's store."""
+    if engine.core.store is None:
+        raise ValueError(f"cache_dir={str(cache_dir)!r} needs the prefix cache: it is off "
+                         "(prefix_cache=False, or a model served without reuse)")
+    disk = DiskStore(cache_dir, budget_bytes=check_int("disk_budget", budget, 0, 1 << 62),
+                     min_free_bytes=check_int("disk_min_free", min_free, 0, 1 << 62))
+    try:
+        salt_key = salt_of(engine.model, engine.tokenizer, engine.support, DISK_PAGE_TOKENS)
+        owner.call(engine.core.attach_disk, disk, salt_key)
+    except BaseException:
+        disk.close()
+        raise
 
 
 def _given(max_tokens: Any) -> Any:

@@ -26,7 +26,7 @@ from servecore.requests import GenerationRequest, finish_reason
 
 __all__ = ["LIVE", "Group", "Job"]
 
-LIVE = frozenset({"waiting", "prefill", "running"})
+LIVE = frozenset({"waiting", "reloading", "prefill", "running"})
 """The states of a job that holds (or may hold) something."""
 
 
@@ -60,6 +60,7 @@ class Job:
     pending: list[int] = field(default_factory=list)
     restore: int | None = None  # hybrid models: the snapshot slot of the state at `cached`
     points: list[int] = field(default_factory=list)  # depths to snapshot during prefill
+    disk_checked: bool = False  # the disk tier looked for its prefix (once)
     # hybrid models, pages of several tokens: (depth, snapshot slot) of the state at the
     # answer's latest page boundary, held by the job until publish_answer hangs it on the tree
     page_state: tuple[int, int] | None = None

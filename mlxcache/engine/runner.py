@@ -52,12 +52,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxcache.engine.admission import Admission
+from mlxcache.engine.disk import DiskTier
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import LIVE, Group, Job
 from mlxcache.engine.memory import working_budget, working_bytes
@@ -71,6 +73,7 @@ from mlxcache.layers import leaves
 from mlxcache.logprobs import LogprobBatch, logprob_arrays
 from mlxcache.pool import POOL_NAME, PoolExhausted
 from mlxcache.sampling import next_key, sample
+from servecore.diskcache import DiskStore
 from servecore.engine import Event
 from servecore.requests import GenerationRequest
 
@@ -100,6 +103,7 @@ class Runner:
         self.admission = Admission(opts, self.store, support.batched, self.working)
         self.peak_working_bytes = 0  # the most the decode buffers held after a round
         self.jobs: dict[int, Job] = {}
+        self.disk: DiskTier | None = None  # attach_disk: the disk tier under the store
         self._emit: Callable[[Event], None] | None = None
         self._pending: deque[Event] = deque()  # jobs dropped outside a round, to report
 
@@ -123,6 +127,9 @@ class Runner:
             if job.state == "waiting":
                 self.admission.waiting.remove(job)
                 job.state = "cancelled"
+            elif job.state == "reloading":
+                self.disk.drop(job)
+                job.state = "cancelled"
             else:
                 self._finish(job, job.group, publish=False, state="cancelled")
             self._settle()
@@ -133,7 +140,8 @@ class Runner:
 
     def has_work(self) -> bool:
         """Whether any job waits or runs, or a dropped one is still to be reported."""
-        return bool(self._pending or self.admission.waiting or self._num_running())
+        return bool(self._pending or self.admission.waiting or self._num_running()
+                    or (self.disk is not None and self.disk.pending))
 
     def run_round(self, emit: Callable[[Event], None]) -> bool:
         """One round: admit and prefill a batch if one fits, then one decode step of every
@@ -156,6 +164,11 @@ class Runner:
         MLX's buffer cache is emptied, after the work already scheduled ends. Idempotent."""
         if self.path is None:
             return
+        if self.disk is not None:
+            try:
+                self.disk.close(flush=self.flush_on_close)
+            finally:
+                self.disk = None
         mx.synchronize()
         self.jobs.clear()
         self.admission.waiting.clear()
@@ -166,8 +179,26 @@ class Runner:
 
     # ---------------------------------------------------------------- rounds ----
 
+    def attach_disk(self, disk: DiskStore, salt_key: str, flush_on_close: bool = True) -> None:
+        """Put the disk tier ``disk`` (its pages keyed under ``salt_key``) under the store:
+        evicted prefixes spill to it, and prompts that reach past memory reload from it
+        (``mlxcache.engine.disk``); ``close`` spills what memory holds (``flush_on_close``)."""
+        if self.store is None:
+            raise ValueError("a disk tier needs the prefix cache (prefix_cache=True and a "
+                             "model the engine reuses prefixes of)")
+        self.disk = DiskTier(self.store, disk, salt_key, self.stats)
+        self.flush_on_close = flush_on_close
+        self.stats.disk = disk.stats
+
     def _round(self) -> bool:
-        prefilled = self._admit_and_prefill()
+        reloading = False  # a round that waits on the disk tier is work too
+        if self.disk is not None:
+            try:
+                reloading = self._reloads()
+            except BaseException as e:
+                self._abort(e, [r.job for r in self.disk.pending], groups=False)
+                raise
+        prefilled = self._admit_and_prefill() or reloading
         if prefilled and self.admission.waiting:  # prefill first: more may be admissible now
             self._settle()  # the reader may take its first token to another thread
             return True
@@ -182,6 +213,23 @@ class Runner:
                     raise
         self._settle()
         return prefilled or decoded
+
+    def _reloads(self) -> bool:
+        """Requests whose pages were read back rejoin the queue at its head; each new one
+        whose prompt reaches past memory into the disk tier waits for its pages. Whether any
+        reload is under way or ended."""
+        disk = self.disk
+        if disk.pending and not self.admission.waiting and not self._num_running():
+            wait([r.future for r in disk.pending], timeout=0.05, return_when=FIRST_COMPLETED)
+        for job in reversed(disk.ready()):
+            if self.jobs.get(job.rid) is job:
+                self.admission.waiting.appendleft(job)
+        for job in list(self.admission.waiting):
+            if not job.disk_checked:
+                job.disk_checked = True
+                if disk.plan(job):
+                    self.admission.waiting.remove(job)
+        return bool(disk.pending)
 
     def _admit_and_prefill(self) -> bool:
         batch: list[Job] = []
@@ -383,6 +431,8 @@ class Runner:
                 continue
             if job.state == "waiting":
                 self.admission.waiting.remove(job)
+            elif job.state == "reloading":
+                self.disk.drop(job)
             self._dropped(job, exc)
         for job in self.admission.waiting:  # a waiting job holds nothing (an admission may
             job.forget_prefix()  # have been cut short)

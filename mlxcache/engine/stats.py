@@ -8,6 +8,7 @@ Examples:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from servecore.stats import ServingStats
 
@@ -37,6 +38,13 @@ class EngineStats(ServingStats):
         (0.3, 0.0)
 
     Hybrid models also count ``snapshots_taken`` (recurrent-state snapshots stored in the
-    state pool) and ``state_evictions`` (snapshots evicted to make room); every counter is
-    ``ServingStats``'s.
+    state pool) and ``state_evictions`` (snapshots evicted to make room). With a disk tier
+    (``cache_dir``): ``disk_hits`` (requests whose prefix was read back from disk),
+    ``disk_tokens_read``, and the store's own pages, tokens and bytes read and written
+    (``disk``, a ``servecore.diskcache.DiskStats``). ``cached_tokens`` counts prefix tokens
+    from either tier.
     """
+
+    disk_hits: int = 0
+    disk_tokens_read: int = 0
+    disk: Any = None

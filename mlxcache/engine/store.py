@@ -197,10 +197,15 @@ class PrefixStore:
         give_back(evicted, self.slots, self.state_slots)
 
     def reset(self) -> None:
-        """Evict everything evictable (``Engine.reset_cache``; not counted as evictions)."""
-        self.free(self.tree.evict(self.tree.evictable_size))
-        if self.has_states:
-            self.free(self.tree.evict_states(self.tree.num_states))
+        """Evict everything evictable (``Engine.reset_cache``; not counted as evictions, and
+        not spilled to a disk tier: a reset drops the cache)."""
+        spill, self.tree.on_evict = self.tree.on_evict, None
+        try:
+            self.free(self.tree.evict(self.tree.evictable_size))
+            if self.has_states:
+                self.free(self.tree.evict_states(self.tree.num_states))
+        finally:
+            self.tree.on_evict = spill
 
     def take_slots(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting exactly the shortfall or nothing (then None)."""

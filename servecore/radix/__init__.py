@@ -60,7 +60,7 @@ Examples:
 """
 
 
-from servecore.radix.nodes import Evicted, PrefixMatch, TreeNode
+from servecore.radix.nodes import Evicted, PrefixMatch, TreeNode, path_of
 from servecore.radix.tree import RadixCache
 
-__all__ = ["Evicted", "PrefixMatch", "RadixCache", "TreeNode"]
+__all__ = ["Evicted", "PrefixMatch", "RadixCache", "TreeNode", "path_of"]

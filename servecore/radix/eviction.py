@@ -25,6 +25,8 @@ class LRUEviction:
         """Detach unlocked ``leaf``; its slots and state go to ``freed``. Returns its parent."""
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        if self.on_evict is not None:
+            self.on_evict(leaf)
         del parent.children[self._child_key(leaf.key, 0)]
         leaf.parent = None
         self._evictable -= len(leaf.key)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from servecore.validate import INT32_MAX, is_int, plain_ints, token_ids
 
-__all__ = ["Evicted", "PrefixMatch", "TreeNode"]
+__all__ = ["Evicted", "PrefixMatch", "TreeNode", "path_of"]
 
 
 def _tokens(tokens: Any) -> Sequence[int]:
@@ -144,3 +144,23 @@ def _short(xs: tuple[int, ...], limit: int = 8) -> str:
     if len(xs) <= limit:
         return str(list(xs))
     return "[" + ", ".join(map(str, xs[:limit])) + f", ... +{len(xs) - limit}]"
+
+
+def path_of(node: TreeNode) -> tuple[list[int], list[int], dict[int, Hashable]]:
+    """The tokens and slots from the root to the end of ``node``, and the state handles on
+    that path by depth.
+
+    >>> from servecore.radix import RadixCache
+    >>> cache = RadixCache()
+    >>> _ = cache.insert([1, 2], [7, 8]); _ = cache.insert([1, 2, 3], [7, 8, 9])
+    >>> path_of(cache.match_prefix([1, 2, 3]).node)[:2]
+    ([1, 2, 3], [7, 8, 9])
+    """
+    edges, states = [], {}
+    while node is not None and node.parent is not None:
+        edges.append(node)
+        if node.state is not None:
+            states[node.depth] = node.state
+        node = node.parent
+    edges.reverse()
+    return ([t for n in edges for t in n.key], [s for n in edges for s in n.value], states)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from servecore.radix.eviction import LRUEviction
 from servecore.radix.locks import Locks
@@ -52,6 +52,9 @@ class RadixCache(Locks, LRUEviction):
             raise ValueError(f"states={states!r} must be a bool")
         self.page_size = int(page_size)
         self.states = states
+        # Called with each leaf about to be evicted (attached, its ancestors intact): a disk
+        # tier spills it there (``mlxcache.engine.disk``).
+        self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 
     # ---------------------------------------------------------------------------- state ----
@@ -294,6 +297,17 @@ class RadixCache(Locks, LRUEviction):
         node.state, node.state_access = handle, tick
         self._num_states += 1
         return True
+
+    def leaves(self) -> list[TreeNode]:
+        """Every leaf, under every root.
+
+        >>> cache = RadixCache()
+        >>> _ = cache.insert([1, 2], [7, 8]); _ = cache.insert([1, 3], [7, 9])
+        >>> sorted(n.key for n in cache.leaves())
+        [(2,), (3,)]
+        """
+        return [leaf for root in self._roots.values() for leaf in self._leaves(root)
+                if leaf.parent is not None]
 
     def all_slots(self) -> list[int]:
         """Every slot the tree holds (``total_size`` of them), in no particular order.

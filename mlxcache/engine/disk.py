@@ -1,0 +1,258 @@
+"""The disk tier under the prefix store (``Engine(cache_dir=...)``): prefixes evicted from
+memory spill to a ``servecore.diskcache.DiskStore``, and a request whose prompt reaches past
+what memory holds waits while they are read back into the pool.
+
+Pages. The disk holds whole pages of ``page`` tokens (``DISK_PAGE_TOKENS``, rounded up to a
+multiple of the tree's page) from the start of a prompt: page ``i`` holds the K/V of every
+attention layer for tokens ``[i * page, (i + 1) * page)``, under the key chained from the
+salt through the tokens before it (``servecore.diskcache.keys``). A hybrid model's recurrent
+state at a page's end, when the tree held one there, is its own entry below that page
+(``state_key``): a reload stops at the deepest page with a state. A sliding-window layer's
+pages are its K/V like any other (the pool keeps every token's).
+
+Spill. The tree calls ``spill`` with each leaf it is about to evict (``RadixCache.on_evict``;
+its ancestors still hold their slots): every whole page of its path not on disk yet is read
+from the pool, materialised on the engine's thread and queued for the store's writer thread.
+``flush_all`` spills every leaf (``Engine.close``: a planned restart keeps what memory held).
+
+Reload. ``plan`` (each waiting request, once) counts the pages on disk past what memory
+matches; if there are any, the request leaves the waiting queue while the store's reader
+thread reads them, and the other requests go on. ``ready`` (each round) writes what was read
+into the pool and the tree (and the state into the state pool) and hands the requests back to
+admission, which then finds their prefix in memory as if it had never left. A reload that
+cannot complete (pages gone meanwhile, the pool full of locked prefixes) is dropped: the
+request is served from what memory holds, never from partial data.
+
+The salt (``salt_of``) covers the weights (a digest of every parameter's bytes), the model's
+config, the tokenizer, the pool's dtype and layout, the disk page, the format and the MLX
+version: another model, dtype or tokenizer on the same directory reads nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from concurrent.futures import Future
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlxcache.engine.job import Job
+from mlxcache.engine.stats import EngineStats
+from mlxcache.engine.store import PrefixStore
+from mlxcache.engine.support import Support
+from mlxcache.pool import get_kv, get_states, set_kv_all_layers, set_states
+from servecore.diskcache import DiskStore, chain, digest_buffers, salt
+from servecore.radix import TreeNode, path_of
+
+__all__ = ["DISK_PAGE_TOKENS", "DiskTier", "salt_of", "state_key"]
+
+DISK_PAGE_TOKENS = 64
+"""Tokens per page on disk: larger pages mean fewer files; a prompt's partial last page is
+not written (it is recomputed after a reload)."""
+
+
+def state_key(key: str) -> str:
+    """The key of the recurrent state at the end of the page ``key``.
+
+    >>> len(state_key("00" * 16)), state_key("00" * 16) == state_key("01" * 16)
+    (32, False)
+    """
+    return hashlib.blake2b(bytes.fromhex(key), digest_size=16, person=b"state").hexdigest()
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """``a`` as a NumPy array of its own bytes (bfloat16, which NumPy lacks, as uint16)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=True)
+
+
+def _device(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    x = mx.array(a)
+    return x.view(dtype) if dtype == mx.bfloat16 else x
+
+
+def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> str:
+    """The salt of ``model``'s pages (see the module docstring)."""
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    weights = digest_buffers(
+        x for name, a in params for x in (name.encode(), str(a.dtype).encode(),
+                                          np.asarray(a.shape, np.int64), _host(a)))
+    args = getattr(model, "args", None)
+    config = (dataclasses.asdict(args) if dataclasses.is_dataclass(args)
+              else vars(args) if args is not None else type(model).__name__)
+    return salt({"weights": weights, "config": json.loads(json.dumps(config, default=str)),
+                 "model": f"{type(model).__module__}.{type(model).__name__}",
+                 "tokenizer": _tokenizer_digest(tokenizer), "kv": [str(x) for x in support.kv],
+                 "layout": [str(k) for k in support.layout.kinds],
+                 "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
+                 "page": page, "mlx": mx.__version__})
+
+
+def _tokenizer_digest(tokenizer: Any) -> str | None:
+    """What the tokenizer maps text to ids with (None: token ids only)."""
+    if tokenizer is None:
+        return None
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        text = backend.to_str()
+    elif hasattr(inner, "get_vocab"):
+        text = json.dumps(sorted(inner.get_vocab().items()))
+    else:
+        text = repr(inner)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+_DONE: Future = Future()  # a reload applied (kept pending until its round ends)
+
+
+@dataclasses.dataclass
+class _Reload:
+    job: Job
+    keys: list[str]  # the pages asked for (and the state's key, for hybrid models)
+    start: int  # the first page asked for
+    future: Future
+
+
+class DiskTier:
+    """Spill and reload between ``store`` and ``disk`` (see the module docstring)."""
+
+    def __init__(self, store: PrefixStore, disk: DiskStore, salt_key: str, stats: EngineStats,
+                 page: int = DISK_PAGE_TOKENS):
+        self.store, self.disk, self.salt, self.stats = store, disk, salt_key, stats
+        self.page = math.lcm(page, store.page_size)
+        self.pending: list[_Reload] = []
+        self.spilling = True
+        store.tree.on_evict = self._on_evict
+
+    # ------------------------------------------------------------------ spill ----
+
+    def _on_evict(self, leaf: TreeNode) -> None:
+        if self.spilling:
+            self.spill(leaf)
+
+    def spill(self, node: TreeNode) -> None:
+        """Queue every whole page of ``node``'s path that the disk lacks (with the state at
+        its end, for hybrid models, when the path holds one there)."""
+        tokens, slots, states = path_of(node)
+        P, store = self.page, self.store
+        keys = chain(self.salt, tokens[: len(tokens) - len(tokens) % P], P)
+        have = self.disk.depth(keys)
+        for i in range(have, len(keys)):
+            idx = mx.array(slots[i * P:(i + 1) * P], dtype=mx.int32)
+            kv = [get_kv(store.pool, layer, idx) for layer in range(store.pool.num_layers)]
+            arrays = {f"{kind}{layer}": a for layer, pair in enumerate(kv)
+                      for kind, a in zip("kv", pair, strict=True)}
+            handle = states.get((i + 1) * P) if store.has_states else None
+            snap = get_states(store.states, [handle]) if handle is not None else ()
+            mx.eval(list(arrays.values()), list(snap))
+            parent = keys[i - 1] if i else self.salt
+            meta = {"dtype": str(store.pool.keys[0].dtype)}
+            self.disk.put(keys[i], parent, self.salt, P,
+                          {n: _host(a) for n, a in arrays.items()}, meta)
+            if snap:
+                self.disk.put(state_key(keys[i]), keys[i], self.salt, 0,
+                              {f"s{j}": _host(s) for j, s in enumerate(snap)},
+                              {"dtypes": [str(s.dtype) for s in snap]})
+
+    def flush_all(self) -> None:
+        """Spill every leaf of the tree and wait for the writes."""
+        for leaf in self.store.tree.leaves():
+            self.spill(leaf)
+        self.disk.flush()
+
+    # ----------------------------------------------------------------- reload ----
+
+    def plan(self, job: Job) -> bool:
+        """Start reading ``job``'s pages past what memory holds; True if it now waits."""
+        P, store, tokens = self.page, self.store, job.tokens
+        usable = len(tokens) - 1  # the last token always runs
+        keys = chain(self.salt, tokens[: usable - usable % P], P)
+        depth = self.disk.depth(keys)
+        if store.has_states:  # the deepest page on disk with a state at its end
+            while depth and not self.disk.has(state_key(keys[depth - 1])):
+                depth -= 1
+        if depth * P <= store.cached(tokens):
+            return False
+        start = 0 if store.has_states else store.tree.peek(tokens)[0] // P
+        asked = keys[start:depth] + ([state_key(keys[depth - 1])] if store.has_states else [])
+        self.pending.append(_Reload(job, asked, start, self.disk.load(asked)))
+        job.state = "reloading"
+        return True
+
+    def drop(self, job: Job) -> None:
+        """Forget ``job``'s reload (cancelled); what is read is discarded."""
+        self.pending = [r for r in self.pending if r.job is not job]
+
+    def ready(self) -> list[Job]:
+        """The jobs whose reads ended, their pages now in the pool and the tree (or not, if
+        the reload could not complete), ready for admission."""
+        done = [r for r in self.pending if r.future.done()]
+        for r in done:  # pending until every one is applied: a failure drops them all
+            try:
+                pages = r.future.result()
+            except Exception:  # noqa: BLE001 - a read that failed is a miss
+                pages = []
+            self._apply(r, pages)
+            r.future = _DONE
+        self.pending = [r for r in self.pending if r.future is not _DONE]
+        for r in done:
+            r.job.state = "waiting"
+        return [r.job for r in done]
+
+    def _apply(self, r: _Reload, pages: list[Any]) -> None:
+        P, store, tokens = self.page, self.store, r.job.tokens
+        if store.has_states:
+            if len(pages) != len(r.keys):  # no state, or a page short: recompute
+                return
+            state, pages = pages[-1], pages[:-1]
+        if not pages:
+            return
+        head = r.start * P
+        m = store.match(tokens[:head]) if head else None
+        if m is not None and len(m.slots) < head:  # memory lost the pages before: a miss
+            return
+        end = head + len(pages) * P
+        if m is not None:
+            store.tree.lock(m.node)
+        try:
+            new = store.take_slots(end - head)
+        finally:
+            if m is not None:
+                store.tree.unlock(m.node)
+        if new is None:
+            return
+        dtype = store.pool.keys[0].dtype
+        layers = range(store.pool.num_layers)
+        ks = [_device(np.concatenate([p.arrays[f"k{i}"] for p in pages]), dtype) for i in layers]
+        vs = [_device(np.concatenate([p.arrays[f"v{i}"] for p in pages]), dtype) for i in layers]
+        store.pool = set_kv_all_layers(store.pool, mx.array(new, dtype=mx.int32), ks, vs)
+        mx.eval(store.pool)
+        store.insert(tokens[:end], (m.slots[:head] if m is not None else []) + new, head)
+        if store.has_states:
+            slot = store.take_snapshot()
+            if slot is not None:
+                dtypes = [getattr(mx, d.split(".")[-1]) for d in state.meta["dtypes"]]
+                arrays = [_device(state.arrays[f"s{j}"], d) for j, d in enumerate(dtypes)]
+                store.states = set_states(store.states, [slot], arrays)
+                mx.eval(store.states.arrays)
+                store.add_state(tokens[:end], slot)
+        s = self.stats
+        s.disk_hits += 1
+        s.disk_tokens_read += end - head
+
+    def close(self, flush: bool) -> None:
+        """Spill what memory holds (``flush``), then close the store."""
+        try:
+            if flush:
+                self.flush_all()
+        finally:
+            self.spilling = False
+            self.disk.close()

@@ -1,0 +1,148 @@
+"""The prefix cache's disk tier (``Engine(cache_dir=...)``, ``mlxcache.engine.disk``) on real
+checkpoint directories, real processes and a real file system.
+
+The oracle is mlx-lm's own greedy decoding (``zoo.reference_generate``, its caches from token
+0): whatever came back from disk, an engine's tokens equal a cold run's, token for token. A
+prefix written under another model, weights, dtype or tokenizer is never read back.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mlxcache import Engine, zoo
+from servecore.diskcache import DirectoryInUse
+from servecore.testing import word_tokenizer
+
+pytestmark = pytest.mark.mlx
+
+FAMILIES = ["llama", "qwen3_next", "gemma3_text"]  # KVCache; hybrid; sliding window
+MAX = 6
+
+
+def _cold(model, prompt: list[int]) -> list[int]:
+    """mlx-lm's greedy tokens, up to the word tokenizer's EOS (id 1) as an engine stops."""
+    out = zoo.reference_generate(model, prompt, MAX)
+    return out[: out.index(1) + 1] if 1 in out else out
+
+
+def _prompt(seed: int, n: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, zoo.VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    for family in FAMILIES:
+        zoo.save_checkpoint(family, root / family)
+    return root
+
+
+def _write_in_a_process(model_dir, cache_dir, prompt) -> None:
+    """A process that loads the directory, serves ``prompt`` with the disk tier, closes."""
+    script = textwrap.dedent(f"""
+        import mlx_lm
+        from mlxcache import Engine
+        model, tok = mlx_lm.load({str(model_dir)!r})
+        with Engine(model, tok, num_slots=1024, cache_dir={str(cache_dir)!r}) as e:
+            e.generate([{prompt!r}], max_tokens={MAX})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_new_process_finds_the_prefix_and_decodes_as_a_cold_run(checkpoints, tmp_path,
+                                                                   family):
+    prompt = _prompt(1)
+    _write_in_a_process(checkpoints / family, tmp_path, prompt)
+    model, tok = mlx_lm.load(str(checkpoints / family))
+    want = _cold(model, prompt + [7])
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as engine:
+        # a longer prompt, the written one a prefix of it: its pages come from disk
+        assert engine.generate([prompt + [7]], max_tokens=MAX)[0] == want
+        s = engine.stats
+        assert s.disk_hits == 1 and s.cached_tokens == s.disk_tokens_read == 256
+        assert s.disk.pages_read >= 4 and s.disk.set_aside == 0
+
+
+def test_other_weights_dtype_tokenizer_or_model_read_nothing(checkpoints, tmp_path):
+    prompt = _prompt(2)
+    _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+
+    def served(m, t=tok):
+        with Engine(m, t, num_slots=1024, cache_dir=tmp_path, disk_budget=1 << 26) as e:
+            out = e.generate([prompt], max_tokens=MAX)[0]
+            assert e.stats.disk_hits == 0 and e.stats.cached_tokens == 0
+            return out
+
+    # another tokenizer (one word fewer), the same weights
+    assert served(model, word_tokenizer(zoo.VOCAB - 1)) == _cold(model, prompt)
+    # another model on the same directory
+    other, other_tok = mlx_lm.load(str(checkpoints / "gemma3_text"))
+    assert served(other, other_tok) == _cold(other, prompt)
+    # one weight of one tensor changed
+    w = model.layers[0].mlp.down_proj.weight
+    model.layers[0].mlp.down_proj.weight = w + mx.where(mx.arange(w.size).reshape(w.shape) == 0,
+                                                        0.5, 0.0).astype(w.dtype)
+    mx.eval(model.parameters())
+    assert served(model) == _cold(model, prompt)
+    # another dtype
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    assert served(model) == _cold(model, prompt)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_a_prefix_evicted_from_memory_comes_back_from_disk(checkpoints, tmp_path, family):
+    """A pool of 700 slots: three 300-token prompts evict the first, which then reloads."""
+    model, tok = mlx_lm.load(str(checkpoints / family))
+    prompts = [_prompt(10 + i) for i in range(3)]
+    with Engine(model, tok, num_slots=700, cache_dir=tmp_path) as engine:
+        for p in prompts:
+            engine.generate([p], max_tokens=MAX)
+        assert engine.stats.token_evictions > 0 and engine.stats.disk.pages_written > 0
+        again = prompts[0] + [5, 6]
+        assert engine.generate([again], max_tokens=MAX)[0] == _cold(model, again)
+        assert engine.stats.disk_hits == 1 and engine.stats.disk_tokens_read == 256
+
+
+def test_damaged_pages_are_misses_and_a_second_engine_is_refused(checkpoints, tmp_path):
+    prompt = _prompt(3, 400)
+    _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
+    pages = sorted((tmp_path / "pages").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert len(pages) == 6  # 399 usable tokens: 6 whole pages of 64
+    data = pages[3].read_bytes()
+    pages[3].write_bytes(data[:-10])  # the fourth page truncated
+    (tmp_path / "pages" / ".junk.tmp").write_bytes(b"half")  # a stale temporary file
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as engine:
+        with pytest.raises(DirectoryInUse, match="in use by another engine"):
+            Engine(model, tok, num_slots=1024, cache_dir=tmp_path)
+        assert engine.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+        s = engine.stats
+        assert s.disk.set_aside >= 2 and s.disk_tokens_read == 3 * 64  # the pages before it
+    with pytest.raises(ValueError, match="cache_dir=.*needs the prefix cache"):
+        Engine(model, tok, prefix_cache=False, cache_dir=tmp_path)
+    Engine(model, tok, num_slots=1024, cache_dir=tmp_path).close()  # the lock was released
+
+
+def test_a_long_session_with_a_small_disk_budget_stays_within_it(checkpoints, tmp_path):
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    budget = 400_000  # about twelve pages of this llama
+    with Engine(model, tok, num_slots=300, cache_dir=tmp_path, disk_budget=budget,
+                disk_min_free=0) as engine:
+        for i in range(12):
+            engine.generate([_prompt(100 + i, 200)], max_tokens=2)
+            engine.core.disk.disk.flush()
+            held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+            assert held <= budget, (i, held)
+        assert engine.stats.disk.pages_evicted > 0
