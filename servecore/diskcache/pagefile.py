@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pathlib
 import uuid
@@ -139,7 +140,7 @@ def read_page(path: pathlib.Path, key: str) -> Page:
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["digest"]:
             raise CorruptPage(f"{path}: the payload's digest does not match")
         arrays = {e["name"]: np.frombuffer(payload, dtype=np.dtype(e["dtype"]),
-                                           count=int(np.prod(e["shape"], dtype=np.int64)),
+                                           count=math.prod(e["shape"]),
                                            offset=e["offset"]).reshape(e["shape"])
                   for e in header["arrays"]}
         return Page(key, header["parent"], int(header["tokens"]), arrays, header["meta"])

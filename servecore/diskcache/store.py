@@ -224,16 +224,24 @@ class DiskStore:
         self._check_open()
         return self._reader.submit(self._read, list(keys))
 
+    def _fetch(self, key: str) -> Page | CorruptPage | None:
+        """One page, read and checked (None: not held)."""
+        with self._mu:
+            if key not in self._entries:
+                return None
+        try:
+            return read_page(self._path(key), key)
+        except CorruptPage as e:
+            return e
+
     def _read(self, keys: list[str]) -> list[Page]:
         pages: list[Page] = []
         for key in keys:
-            with self._mu:
-                entry = self._entries.get(key)
-            if entry is None:
+            got = self._fetch(key)
+            if got is None:
                 break
-            try:
-                page = read_page(self._path(key), key)
-            except CorruptPage as e:
+            if isinstance(got, CorruptPage):
+                e = got
                 with self._mu:
                     gone = key not in self._entries  # evicted meanwhile: a plain miss
                 if not gone:
@@ -241,14 +249,15 @@ class DiskStore:
                     self.stats.set_aside += 1
                     self._drop(self._subtree(key))
                 break
-            pages.append(page)
+            pages.append(got)
         if pages:
             now = time.time()
             with self._mu:
                 for p in pages:
                     if p.key in self._entries:
                         self._entries[p.key].used = now
-            self.index.touch([p.key for p in pages], now)
+            # recorded on the writer thread: a reload does not wait for the index's fsync
+            self._writer.submit(self.index.touch, [p.key for p in pages], now)
             s = self.stats
             s.pages_read += len(pages)
             s.tokens_read += sum(p.num_tokens for p in pages)

@@ -75,3 +75,19 @@ def test_a_server_that_fails_or_reports_no_cached_count_is_shown_not_guessed():
     computed = [line for line in table.splitlines() if "prompt tokens computed" in line]
     assert computed[0].split()[-2:] == ["40", "error"]
     assert computed[1].split()[-2:] == ["40", "n/a"]
+
+
+def test_the_quick_restart_bench_reads_the_prefix_back_and_agrees(tmp_path):
+    """``python -m mlxcache.bench restart --quick --families llama``: a writer process, then
+    cold, disk and warm processes; the disk one reads the whole 1,024-token prefix, every
+    process's greedy token agrees, and the table and JSON come out."""
+    out = tmp_path / "restart.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "mlxcache.bench", "restart", "--quick",
+                           "--families", "llama", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart benchmark (--quick)" in proc.stdout and "llama" in proc.stdout
+    m = json.loads(out.read_text())["models"]["llama"]
+    assert m["agree"] and m["disk_cached_tokens"] == 1024 and m["bytes_per_token"] > 0
