@@ -79,7 +79,15 @@ def _device(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> str:
-    """The salt of ``model``'s pages (see the module docstring)."""
+    """The salt of ``model``'s pages (see the module docstring).
+
+    >>> from mlxcache.zoo import make_model
+    >>> model = make_model()
+    >>> s = salt_of(model, None, Support.probe(model), 64)
+    >>> s == salt_of(model, None, Support.probe(model), 64), s == salt_of(model, None,
+    ...     Support.probe(model), 32)
+    (True, False)
+    """
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     weights = digest_buffers(
         x for name, a in params for x in (name.encode(), str(a.dtype).encode(),
@@ -122,7 +130,19 @@ class _Reload:
 
 
 class DiskTier:
-    """Spill and reload between ``store`` and ``disk`` (see the module docstring)."""
+    """Spill and reload between ``store`` and ``disk`` (see the module docstring).
+
+    >>> import tempfile
+    >>> from mlxcache.engine import Engine
+    >>> from mlxcache.zoo import make_model
+    >>> with Engine(make_model(), num_slots=256, cache_dir=tempfile.mkdtemp()) as engine:
+    ...     _ = engine.generate([list(range(2, 100))], max_tokens=1)
+    ...     tier = engine.core.disk
+    ...     tier.page, engine.stats.disk.pages_written   # nothing evicted yet
+    (64, 0)
+    >>> engine.stats.disk.pages_written   # close() spilled the prompt's one whole page
+    1
+    """
 
     def __init__(self, store: PrefixStore, disk: DiskStore, salt_key: str, stats: EngineStats,
                  page: int = DISK_PAGE_TOKENS):

@@ -29,7 +29,11 @@ __all__ = ["Entry", "Index"]
 
 @dataclasses.dataclass
 class Entry:
-    """One page the directory holds."""
+    """One page the directory holds.
+
+    >>> Entry("k", "parent", "salt", 64, 1000, 0.0).num_tokens
+    64
+    """
 
     key: str
     parent: str
@@ -40,7 +44,12 @@ class Entry:
 
 
 class Index:
-    """The table of pages in ``path`` (created if absent), safe to call from any thread."""
+    """The table of pages in ``path`` (created if absent), safe to call from any thread.
+
+    >>> import tempfile, pathlib
+    >>> Index(pathlib.Path(tempfile.mkdtemp()) / "i.sqlite").entries()
+    []
+    """
 
     def __init__(self, path: pathlib.Path):
         self._lock = threading.Lock()
@@ -53,24 +62,29 @@ class Index:
                          "bytes INTEGER NOT NULL, used REAL NOT NULL)")
 
     def entries(self) -> list[Entry]:
+        """Every row."""
         with self._lock:
             rows = self._db.execute("SELECT key, parent, salt, tokens, bytes, used FROM pages")
             return [Entry(*row) for row in rows.fetchall()]
 
     def add(self, e: Entry) -> None:
+        """Record ``e`` (replacing a row of its key)."""
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?)",
                              (e.key, e.parent, e.salt, e.num_tokens, e.num_bytes, e.used))
 
     def remove(self, keys: Iterable[str]) -> None:
+        """Forget the rows of ``keys``."""
         with self._lock:
             self._db.executemany("DELETE FROM pages WHERE key = ?", [(k,) for k in keys])
 
     def touch(self, keys: Iterable[str], used: float) -> None:
+        """Mark ``keys`` used at ``used`` (seconds since the epoch)."""
         with self._lock:
             self._db.executemany("UPDATE pages SET used = ? WHERE key = ?",
                                  [(used, k) for k in keys])
 
     def close(self) -> None:
+        """Close the database."""
         with self._lock:
             self._db.close()

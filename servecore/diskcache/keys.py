@@ -62,7 +62,12 @@ def page_key(parent: str, tokens: Sequence[int]) -> str:
 
 def chain(salt_key: str, tokens: Sequence[int], page_size: int) -> list[str]:
     """The keys of every whole page of ``tokens`` (page ``i`` holds tokens
-    ``[i * page_size, (i + 1) * page_size)``); a partial last page has none."""
+    ``[i * page_size, (i + 1) * page_size)``); a partial last page has none.
+
+    >>> ks = chain("00" * 16, [1, 2, 3], page_size=2)
+    >>> len(ks), ks[0] == page_key("00" * 16, [1, 2])
+    (1, True)
+    """
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be at least 1")
     keys, parent = [], salt_key

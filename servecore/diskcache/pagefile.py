@@ -51,13 +51,21 @@ TMP_SUFFIX = ".tmp"  # a file being written; never read, set aside at start-up
 
 
 class CorruptPage(Exception):
-    """A page file that cannot be trusted (truncated, altered, not a page, another key)."""
+    """A page file that cannot be trusted (truncated, altered, not a page, another key).
+
+    >>> issubclass(CorruptPage, Exception)
+    True
+    """
 
 
 @dataclasses.dataclass(frozen=True)
 class Page:
     """A page read back: its key, its parent's key, its token count, its arrays by name and
-    the writer's ``meta``."""
+    the writer's ``meta``.
+
+    >>> Page("k", "p", 2, {}, {}).num_tokens
+    2
+    """
 
     key: str
     parent: str
@@ -68,7 +76,11 @@ class Page:
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """A page ready to write: its key, header and payload chunks, and its size on disk."""
+    """A page ready to write: its key, header and payload chunks, and its size on disk.
+
+    >>> encode_page("ab", "cd", 1, {"x": np.zeros(4, np.uint8)}, {}).size > 4
+    True
+    """
 
     key: str
     header: bytes
@@ -76,12 +88,17 @@ class Encoded:
 
     @property
     def size(self) -> int:
+        """Bytes of the file: magic, header length, header, payload."""
         return len(MAGIC) + 8 + len(self.header) + sum(c.nbytes for c in self.chunks)
 
 
 def encode_page(key: str, parent: str, num_tokens: int, arrays: Mapping[str, np.ndarray],
                 meta: Mapping[str, Any]) -> Encoded:
-    """The header and payload of a page (nothing written yet)."""
+    """The header and payload of a page (nothing written yet).
+
+    >>> encode_page("ab", "cd", 1, {"x": np.zeros(2, np.float32)}, {}).chunks[0].nbytes
+    8
+    """
     entries, chunks, offset = [], [], 0
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
@@ -99,7 +116,13 @@ def encode_page(key: str, parent: str, num_tokens: int, arrays: Mapping[str, np.
 
 
 def write_page(directory: pathlib.Path, page: Encoded) -> pathlib.Path:
-    """Write ``page`` to ``directory / page.key`` crash-safely (see the module docstring)."""
+    """Write ``page`` to ``directory / page.key`` crash-safely (see the module docstring).
+
+    >>> import tempfile
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> write_page(d, encode_page("ab", "cd", 1, {}, {})).name, [p.name for p in d.iterdir()]
+    ('ab', ['ab'])
+    """
     final = directory / page.key
     tmp = directory / f".{page.key}.{uuid.uuid4().hex}{TMP_SUFFIX}"
     try:
@@ -120,7 +143,17 @@ def write_page(directory: pathlib.Path, page: Encoded) -> pathlib.Path:
 
 
 def read_page(path: pathlib.Path, key: str) -> Page:
-    """The page in ``path``, which must be ``key``'s; ``CorruptPage`` if any check fails."""
+    """The page in ``path``, which must be ``key``'s; ``CorruptPage`` if any check fails.
+
+    >>> import tempfile
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> path = write_page(d, encode_page("ab", "cd", 3, {"x": np.arange(3)}, {"m": 1}))
+    >>> page = read_page(path, "ab")
+    >>> page.arrays["x"].tolist(), page.meta, read_page(path, "ef")
+    Traceback (most recent call last):
+    ...
+    servecore.diskcache.pagefile.CorruptPage: ...: holds key ab, not ef
+    """
     try:
         data = path.read_bytes()
     except OSError as e:

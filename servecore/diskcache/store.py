@@ -73,14 +73,22 @@ _INDEX_SLACK = 4096  # what recording one more page may add to the index (a SQLi
 
 
 class DirectoryInUse(RuntimeError):
-    """Another store (another engine, perhaps another process) owns the cache directory."""
+    """Another store (another engine, perhaps another process) owns the cache directory.
+
+    >>> issubclass(DirectoryInUse, RuntimeError)
+    True
+    """
 
 
 @dataclasses.dataclass
 class DiskStats:
     """What a store has done since it opened: pages, tokens and bytes written and read,
     pages evicted for the budget, and files set aside (half-written, unrecorded, missing or
-    failing their checks)."""
+    failing their checks).
+
+    >>> DiskStats().pages_written
+    0
+    """
 
     pages_written: int = 0
     tokens_written: int = 0
@@ -94,7 +102,13 @@ class DiskStats:
 
 class DiskStore:
     """The pages of ``directory`` (created if absent) within ``budget_bytes``, leaving
-    ``min_free_bytes`` free on its disk (see the module docstring)."""
+    ``min_free_bytes`` free on its disk (see the module docstring).
+
+    >>> import tempfile
+    >>> with DiskStore(tempfile.mkdtemp(), budget_bytes=1 << 20, min_free_bytes=0) as s:
+    ...     s.num_pages, s.has("00" * 16)
+    (0, False)
+    """
 
     def __init__(self, directory: str | os.PathLike, *, budget_bytes: int,
                  min_free_bytes: int = 1 << 30):
@@ -132,10 +146,12 @@ class DiskStore:
 
     @property
     def num_pages(self) -> int:
+        """Pages the directory holds (every salt's)."""
         with self._mu:
             return len(self._entries)
 
     def has(self, key: str) -> bool:
+        """Whether the directory holds the page ``key``."""
         with self._mu:
             return key in self._entries
 
