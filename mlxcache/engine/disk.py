@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 from concurrent.futures import Future
 from typing import Any
@@ -49,6 +50,8 @@ from mlxcache.engine.support import Support
 from mlxcache.pool import get_kv, get_states, set_kv_all_layers, set_states
 from servecore.diskcache import DiskStore, chain, digest_buffers, salt
 from servecore.radix import TreeNode, path_of
+
+log = logging.getLogger("mlxcache")
 
 __all__ = ["DISK_PAGE_TOKENS", "DiskTier", "salt_of", "state_key"]
 
@@ -95,12 +98,19 @@ def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> st
     args = getattr(model, "args", None)
     config = (dataclasses.asdict(args) if dataclasses.is_dataclass(args)
               else vars(args) if args is not None else type(model).__name__)
-    return salt({"weights": weights, "config": json.loads(json.dumps(config, default=str)),
+    return salt({"weights": weights, "config": json.loads(json.dumps(config, default=_plain)),
                  "model": f"{type(model).__module__}.{type(model).__name__}",
                  "tokenizer": _tokenizer_digest(tokenizer), "kv": [str(x) for x in support.kv],
                  "layout": [str(k) for k in support.layout.kinds],
                  "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
                  "page": page, "mlx": mx.__version__})
+
+
+def _plain(value: Any) -> Any:
+    """A config value JSON cannot take, as something stable across processes (no address)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return vars(value) if hasattr(value, "__dict__") else type(value).__qualname__
 
 
 def _tokenizer_digest(tokenizer: Any) -> str | None:
@@ -113,8 +123,8 @@ def _tokenizer_digest(tokenizer: Any) -> str | None:
         text = backend.to_str()
     elif hasattr(inner, "get_vocab"):
         text = json.dumps(sorted(inner.get_vocab().items()))
-    else:
-        text = repr(inner)
+    else:  # (never a repr: an object's address would differ in every process)
+        text = f"{type(inner).__module__}.{type(inner).__qualname__}"
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -155,8 +165,13 @@ class DiskTier:
     # ------------------------------------------------------------------ spill ----
 
     def _on_evict(self, leaf: TreeNode) -> None:
-        if self.spilling:
+        if not self.spilling:
+            return
+        try:
             self.spill(leaf)
+        except Exception:  # best effort: an eviction must not fail half-way because of it
+            log.exception("mlxcache: spilling to the disk tier failed; spilling is off")
+            self.spilling = False
 
     def spill(self, node: TreeNode) -> None:
         """Queue every whole page of ``node``'s path that the disk lacks (with the state at
@@ -166,6 +181,8 @@ class DiskTier:
         keys = chain(self.salt, tokens[: len(tokens) - len(tokens) % P], P)
         have = self.disk.depth(keys)
         for i in range(have, len(keys)):
+            if not self.disk.wanted(keys[i]):  # queued already (by a sibling's spill)
+                continue
             idx = mx.array(slots[i * P:(i + 1) * P], dtype=mx.int32)
             kv = [get_kv(store.pool, layer, idx) for layer in range(store.pool.num_layers)]
             arrays = {f"{kind}{layer}": a for layer, pair in enumerate(kv)

@@ -198,7 +198,7 @@ class Runner:
             except BaseException as e:
                 self._abort(e, [r.job for r in self.disk.pending], groups=False)
                 raise
-        prefilled = self._admit_and_prefill() or reloading
+        prefilled = self._admit_and_prefill()
         if prefilled and self.admission.waiting:  # prefill first: more may be admissible now
             self._settle()  # the reader may take its first token to another thread
             return True
@@ -212,7 +212,7 @@ class Runner:
                     self._abort(e, [], groups=True)
                     raise
         self._settle()
-        return prefilled or decoded
+        return prefilled or decoded or reloading
 
     def _reloads(self) -> bool:
         """Requests whose pages were read back rejoin the queue at its head; each new one

@@ -74,15 +74,25 @@ class Index:
                              (e.key, e.parent, e.salt, e.num_tokens, e.num_bytes, e.used))
 
     def remove(self, keys: Iterable[str]) -> None:
-        """Forget the rows of ``keys``."""
-        with self._lock:
-            self._db.executemany("DELETE FROM pages WHERE key = ?", [(k,) for k in keys])
+        """Forget the rows of ``keys`` (one transaction)."""
+        self._batch("DELETE FROM pages WHERE key = ?", [(k,) for k in keys])
 
     def touch(self, keys: Iterable[str], used: float) -> None:
-        """Mark ``keys`` used at ``used`` (seconds since the epoch)."""
+        """Mark ``keys`` used at ``used`` (seconds since the epoch; one transaction)."""
+        self._batch("UPDATE pages SET used = ? WHERE key = ?", [(used, k) for k in keys])
+
+    def _batch(self, sql: str, rows: list[tuple]) -> None:
+        """``sql`` for each of ``rows`` in one transaction (one journal, one sync)."""
+        if not rows:
+            return
         with self._lock:
-            self._db.executemany("UPDATE pages SET used = ? WHERE key = ?",
-                                 [(used, k) for k in keys])
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(sql, rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         """Close the database."""

@@ -65,9 +65,12 @@ from servecore.diskcache.pagefile import (
     write_page,
 )
 
-__all__ = ["DiskStats", "DiskStore", "DirectoryInUse"]
+__all__ = ["MAX_QUEUED_BYTES", "DiskStats", "DiskStore", "DirectoryInUse"]
 
 log = logging.getLogger("servecore.diskcache")
+
+MAX_QUEUED_BYTES = 256 << 20
+"""Host bytes of pages put and not yet written, at most (a larger page alone may wait)."""
 
 _INDEX_SLACK = 4096  # what recording one more page may add to the index (a SQLite page)
 
@@ -120,16 +123,21 @@ class DiskStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _own(self.directory)
         self.pages = self.directory / "pages"
-        self.pages.mkdir(exist_ok=True)
         self.stats = DiskStats()
         self._mu = threading.Lock()  # the maps below
+        self._room = threading.Condition(self._mu)  # a put waits here for queue room
         self._entries: dict[str, Entry] = {}
         self._children: dict[str, set[str]] = {}  # parent key -> keys held
         self._queued: set[str] = set()  # put, not yet written
+        self._queued_bytes = 0
+        self.index: Index | None = None
         try:
+            self.pages.mkdir(exist_ok=True)
             self.index = Index(self.directory / "index.sqlite")
             self._reconcile()
         except BaseException:
+            if self.index is not None:
+                self.index.close()
             _release(self._lock_fd)
             raise
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="diskcache-write")
@@ -155,6 +163,12 @@ class DiskStore:
         with self._mu:
             return key in self._entries
 
+    def wanted(self, key: str) -> bool:
+        """Whether a ``put`` of ``key`` would be taken (neither held nor queued): ask first
+        and skip materialising a page nobody will write."""
+        with self._mu:
+            return key not in self._entries and key not in self._queued
+
     def depth(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` (a chain) the directory holds."""
         with self._mu:
@@ -171,12 +185,18 @@ class DiskStore:
         or it is queued already. ``arrays`` must be host arrays the caller no longer
         changes."""
         self._check_open()
-        with self._mu:
+        size = sum(a.nbytes for a in arrays.values())
+        with self._room:
             if key in self._entries or key in self._queued:
                 return False
+            # backpressure: what waits for the writer stays within MAX_QUEUED_BYTES of host
+            # memory (a flush of a large pool would otherwise copy all of it at once)
+            while self._queued_bytes and self._queued_bytes + size > MAX_QUEUED_BYTES:
+                self._room.wait()
             self._queued.add(key)
+            self._queued_bytes += size
         self._writer.submit(self._write, key, parent, salt, num_tokens, dict(arrays),
-                            dict(meta))
+                            dict(meta), size)
         return True
 
     def flush(self) -> None:
@@ -185,7 +205,7 @@ class DiskStore:
         self._writer.submit(lambda: None).result()
 
     def _write(self, key: str, parent: str, salt: str, num_tokens: int,
-               arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+               arrays: dict[str, np.ndarray], meta: dict[str, Any], queued: int) -> None:
         try:
             with self._mu:
                 orphan = parent != salt and parent not in self._entries
@@ -196,9 +216,13 @@ class DiskStore:
             if not self._make_room(size, keep=parent):
                 log.info("diskcache: page %s (%d bytes) does not fit the budget", key, size)
                 return
-            write_page(self.pages, page)
+            path = write_page(self.pages, page)
             entry = Entry(key, parent, salt, num_tokens, size, time.time())
-            self.index.add(entry)
+            try:
+                self.index.add(entry)
+            except BaseException:  # unrecorded: not left on disk outside the budget
+                path.unlink(missing_ok=True)
+                raise
             with self._mu:
                 self._add(entry)
             s = self.stats
@@ -208,14 +232,23 @@ class DiskStore:
         except Exception:  # a full disk, a permission: the page is simply not cached
             log.exception("diskcache: writing page %s failed", key)
         finally:
-            with self._mu:
+            with self._room:
                 self._queued.discard(key)
+                self._queued_bytes -= queued
+                self._room.notify_all()
 
     def _make_room(self, size: int, keep: str | None = None) -> bool:
         """Evict least recently used leaves (never ``keep``) until ``size`` more bytes fit
         the budget and the free-space floor; False if they cannot."""
         if size + _INDEX_SLACK > self.budget_bytes:
             return False
+        with self._mu:  # what evicting every page but ``keep`` could give at most
+            freeable = sum(e.num_bytes for e in self._entries.values() if e.key != keep)
+            held = sum(e.num_bytes for e in self._entries.values())
+        free = shutil.disk_usage(self.directory).free
+        if (held - freeable + self._overhead() + size + _INDEX_SLACK > self.budget_bytes
+                or free + freeable - size < self.min_free_bytes):
+            return False  # even then it would not fit: evict nothing (make_room's rule)
         while True:
             with self._mu:
                 held = sum(e.num_bytes for e in self._entries.values())
@@ -287,10 +320,12 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        self.index.close()
-        _release(self._lock_fd)
+        try:
+            self._reader.shutdown(wait=True, cancel_futures=True)  # (a read touches the
+            self._writer.shutdown(wait=True)  # index on the writer thread: readers first)
+            self.index.close()
+        finally:
+            _release(self._lock_fd)
 
     def __enter__(self) -> DiskStore:
         return self

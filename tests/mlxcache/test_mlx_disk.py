@@ -12,13 +12,14 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 
 from mlxcache import Engine, zoo
-from servecore.diskcache import DirectoryInUse
+from servecore.diskcache import DirectoryInUse, DiskStore
 from servecore.testing import word_tokenizer
 
 pytestmark = pytest.mark.mlx
@@ -146,3 +147,42 @@ def test_a_long_session_with_a_small_disk_budget_stays_within_it(checkpoints, tm
             held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
             assert held <= budget, (i, held)
         assert engine.stats.disk.pages_evicted > 0
+
+
+def test_a_request_waiting_for_its_pages_does_not_hold_the_others(checkpoints, tmp_path,
+                                                                   monkeypatch):
+    """The reader thread is held until the running request has finished: that request
+    decodes to its end meanwhile, then the waiting one gets its pages and decodes as a cold
+    run."""
+    prompt = _prompt(4)
+    _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    gate = threading.Event()
+    real = DiskStore._read
+
+    def held(self, keys):
+        assert gate.wait(60)
+        return real(self, keys)
+
+    monkeypatch.setattr(DiskStore, "_read", held)
+    other = _prompt(5, 40)
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as engine:
+        first = engine.add_request(other, max_tokens=MAX)
+        got: dict[int, list[int]] = {first: []}
+        done = set()
+        for rid, token, finished in engine.step():  # its first token: it is running
+            got[rid].append(token)
+        waiting = engine.add_request(prompt, max_tokens=MAX)
+        got[waiting] = []
+        while first not in done:
+            for rid, token, finished in engine.step():
+                got[rid].append(token)
+                done |= {rid} if finished else set()
+        assert waiting not in done and not got[waiting]  # still reading
+        gate.set()
+        while waiting not in done:
+            for rid, token, finished in engine.step():
+                got[rid].append(token)
+                done |= {rid} if finished else set()
+        assert got[waiting] == _cold(model, prompt) and engine.stats.disk_hits == 1
+        assert got[first] == _cold(model, other)
