@@ -170,7 +170,7 @@ def test_a_request_waiting_for_its_pages_does_not_hold_the_others(checkpoints, t
         first = engine.add_request(other, max_tokens=MAX)
         got: dict[int, list[int]] = {first: []}
         done = set()
-        for rid, token, finished in engine.step():  # its first token: it is running
+        for rid, token, _ in engine.step():  # its first token: it is running
             got[rid].append(token)
         waiting = engine.add_request(prompt, max_tokens=MAX)
         got[waiting] = []
