@@ -300,11 +300,14 @@ def _routes(server: Server) -> list[Route]:
 
 
 def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
-               keepalive: float = 10.0, max_body_bytes: int = 8 << 20) -> Starlette:
+               keepalive: float = 10.0, max_body_bytes: int = 8 << 20,
+               close_engine: bool = False) -> Starlette:
     """The server's ASGI application over ``engine`` (a ``hybridattn.Engine`` or
     ``mlxcache.Engine`` with a tokenizer, or anything with ``streams`` and ``tokenizer``). Its
-    lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both);
-    ``app.state.server`` is the ``Server``.
+    lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both), then,
+    with ``close_engine``, closes the engine (an engine with a disk tier spills its prefixes
+    there: on SIGTERM uvicorn ends the process by the signal right after the lifespan, so
+    the serve commands close it here); ``app.state.server`` is the ``Server``.
 
     >>> from servecore.requests import RequestBuilder
     >>> from servecore.streams import Streams
@@ -345,7 +348,10 @@ def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, server.worker.stop)
+            if close_engine:
+                await loop.run_in_executor(None, engine.close)
 
     app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
         APIError: api_error, HTTPException: http_error, Exception: fault})

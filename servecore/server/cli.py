@@ -54,7 +54,8 @@ def run(engine: Any, args: argparse.Namespace) -> None:
     import uvicorn
 
     app = create_app(engine, model_name=args.served_model_name, max_queue=args.max_queue,
-                     keepalive=args.keepalive, max_body_bytes=args.max_body_bytes)
+                     keepalive=args.keepalive, max_body_bytes=args.max_body_bytes,
+                     close_engine=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

@@ -1,6 +1,7 @@
 """``python -m hybridattn.serve`` as a user starts it on a fresh clone (the built-in demo model
-and its word tokenizer), called with the ``openai`` client; ``python -m mlxcache.serve`` runs in
-the server benchmark's test (tests/mlxcache/test_bench_server.py)."""
+and its word tokenizer), called with the ``openai`` client; ``python -m mlxcache.serve`` with
+``--cache-dir``, restarted; ``python -m mlxcache.serve`` also runs in the server benchmark's
+test (tests/mlxcache/test_bench_server.py)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,42 @@ def test_the_hybridattn_demo_server_answers_the_openai_client():
             assert "Traceback" not in out, out
         finally:
             proc.kill()
+
+
+@pytest.mark.mlx
+def test_a_restarted_mlxcache_server_finds_the_conversation_on_disk(tmp_path):
+    """``python -m mlxcache.serve --cache-dir DIR`` as a user runs it: a chat, the server
+    stopped (SIGTERM: it closes the engine, which spills its prefixes), a new server on the same
+    directory: the same chat reports cached tokens from the first call and answers the same."""
+    openai = pytest.importorskip("openai")
+    zoo = pytest.importorskip("mlxcache.zoo")
+    zoo.save_checkpoint("qwen3_next", tmp_path / "model")  # hybrid: states come back too
+    # past the first state snapshot (the 256-token grid): a hybrid reload needs a state
+    chat = [{"role": "system", "content": " ".join(f"w{5 + i % 100}" for i in range(300))},
+            {"role": "user", "content": "w9 w8 w7"}]
+    answers = []
+    for _ in range(2):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "mlxcache.serve", "--model", str(tmp_path / "model"),
+               "--port", str(port), "--num-slots", "1024", "--cache-dir",
+               str(tmp_path / "cache"), "--log-level", "warning"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait(url, proc)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            answers.append(client.chat.completions.create(model="model", messages=chat,
+                                                          max_tokens=6, temperature=0))
+        finally:
+            proc.terminate()
+            try:
+                assert proc.wait(60) in (0, -15)
+                out = proc.stdout.read()
+                assert "Traceback" not in out, out
+            finally:
+                proc.kill()
+    first, second = answers
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 256  # read back from disk
+    assert second.choices[0].message.content == first.choices[0].message.content
