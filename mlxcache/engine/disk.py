@@ -55,9 +55,12 @@ log = logging.getLogger("mlxcache")
 
 __all__ = ["DISK_PAGE_TOKENS", "DiskTier", "salt_of", "state_key"]
 
-DISK_PAGE_TOKENS = 64
-"""Tokens per page on disk: larger pages mean fewer files; a prompt's partial last page is
-not written (it is recomputed after a reload)."""
+DISK_PAGE_TOKENS = 256
+"""Tokens per page on disk. A prompt's partial last page is not written (it is recomputed
+after a reload); a page's fixed costs (a file, a header, a digest, its arrays) are paid once
+per page: with 64-token pages a 4,096-token reload of a tiny qwen3_next took 10-12 ms, with
+256 6-8 ms (``python -m mlxcache.bench restart``). 256 is also the default
+``snapshot_interval``, so a hybrid model's grid states end pages."""
 
 
 def state_key(key: str) -> str:
@@ -145,11 +148,11 @@ class DiskTier:
     >>> import tempfile
     >>> from mlxcache.engine import Engine
     >>> from mlxcache.zoo import make_model
-    >>> with Engine(make_model(), num_slots=256, cache_dir=tempfile.mkdtemp()) as engine:
-    ...     _ = engine.generate([list(range(2, 100))], max_tokens=1)
+    >>> with Engine(make_model(), num_slots=512, cache_dir=tempfile.mkdtemp()) as engine:
+    ...     _ = engine.generate([list(range(2, 100)) * 3], max_tokens=1)
     ...     tier = engine.core.disk
     ...     tier.page, engine.stats.disk.pages_written   # nothing evicted yet
-    (64, 0)
+    (256, 0)
     >>> engine.stats.disk.pages_written   # close() spilled the prompt's one whole page
     1
     """

@@ -71,7 +71,7 @@ def test_a_new_process_finds_the_prefix_and_decodes_as_a_cold_run(checkpoints, t
         assert engine.generate([prompt + [7]], max_tokens=MAX)[0] == want
         s = engine.stats
         assert s.disk_hits == 1 and s.cached_tokens == s.disk_tokens_read == 256
-        assert s.disk.pages_read >= 4 and s.disk.set_aside == 0
+        assert s.disk.pages_read >= 1 and s.disk.set_aside == 0  # (a state is an entry too)
 
 
 def test_other_weights_dtype_tokenizer_or_model_read_nothing(checkpoints, tmp_path):
@@ -117,12 +117,12 @@ def test_a_prefix_evicted_from_memory_comes_back_from_disk(checkpoints, tmp_path
 
 
 def test_damaged_pages_are_misses_and_a_second_engine_is_refused(checkpoints, tmp_path):
-    prompt = _prompt(3, 400)
+    prompt = _prompt(3, 800)
     _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
     pages = sorted((tmp_path / "pages").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    assert len(pages) == 6  # 399 usable tokens: 6 whole pages of 64
-    data = pages[3].read_bytes()
-    pages[3].write_bytes(data[:-10])  # the fourth page truncated
+    assert len(pages) == 3  # 799 usable tokens: 3 whole pages of 256
+    data = pages[2].read_bytes()
+    pages[2].write_bytes(data[:-10])  # the third page truncated
     (tmp_path / "pages" / ".junk.tmp").write_bytes(b"half")  # a stale temporary file
     model, tok = mlx_lm.load(str(checkpoints / "llama"))
     with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as engine:
@@ -130,7 +130,7 @@ def test_damaged_pages_are_misses_and_a_second_engine_is_refused(checkpoints, tm
             Engine(model, tok, num_slots=1024, cache_dir=tmp_path)
         assert engine.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
         s = engine.stats
-        assert s.disk.set_aside >= 2 and s.disk_tokens_read == 3 * 64  # the pages before it
+        assert s.disk.set_aside >= 2 and s.disk_tokens_read == 2 * 256  # the pages before it
     with pytest.raises(ValueError, match="cache_dir=.*needs the prefix cache"):
         Engine(model, tok, prefix_cache=False, cache_dir=tmp_path)
     Engine(model, tok, num_slots=1024, cache_dir=tmp_path).close()  # the lock was released
@@ -138,11 +138,11 @@ def test_damaged_pages_are_misses_and_a_second_engine_is_refused(checkpoints, tm
 
 def test_a_long_session_with_a_small_disk_budget_stays_within_it(checkpoints, tmp_path):
     model, tok = mlx_lm.load(str(checkpoints / "llama"))
-    budget = 400_000  # about twelve pages of this llama
-    with Engine(model, tok, num_slots=300, cache_dir=tmp_path, disk_budget=budget,
+    budget = 600_000  # four pages of this llama
+    with Engine(model, tok, num_slots=700, cache_dir=tmp_path, disk_budget=budget,
                 disk_min_free=0) as engine:
-        for i in range(12):
-            engine.generate([_prompt(100 + i, 200)], max_tokens=2)
+        for i in range(10):
+            engine.generate([_prompt(100 + i, 300)], max_tokens=2)
             engine.core.disk.disk.flush()
             held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
             assert held <= budget, (i, held)
