@@ -131,9 +131,6 @@ def _tokenizer_digest(tokenizer: Any) -> str | None:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-_DONE: Future = Future()  # a reload applied (kept pending until its round ends)
-
-
 @dataclasses.dataclass
 class _Reload:
     job: Job
@@ -182,25 +179,30 @@ class DiskTier:
         tokens, slots, states = path_of(node)
         P, store = self.page, self.store
         keys = chain(self.salt, tokens[: len(tokens) - len(tokens) % P], P)
-        have = self.disk.depth(keys)
-        for i in range(have, len(keys)):
-            if not self.disk.wanted(keys[i]):  # queued already (by a sibling's spill)
-                continue
-            idx = mx.array(slots[i * P:(i + 1) * P], dtype=mx.int32)
-            kv = [get_kv(store.pool, layer, idx) for layer in range(store.pool.num_layers)]
-            arrays = {f"{kind}{layer}": a for layer, pair in enumerate(kv)
-                      for kind, a in zip("kv", pair, strict=True)}
-            handle = states.get((i + 1) * P) if store.has_states else None
-            snap = get_states(store.states, [handle]) if handle is not None else ()
-            mx.eval(list(arrays.values()), list(snap))
-            parent = keys[i - 1] if i else self.salt
-            meta = {"dtype": str(store.pool.keys[0].dtype)}
-            self.disk.put(keys[i], parent, self.salt, P,
-                          {n: _host(a) for n, a in arrays.items()}, meta)
-            if snap:
+        todo = [i for i in range(self.disk.depth(keys), len(keys))
+                if self.disk.wanted(keys[i])]  # (a sibling's spill may have queued some)
+        if not todo:
+            return
+        # one gather per layer and one evaluation for all the pages, then split on the host
+        idx = mx.array([s for i in todo for s in slots[i * P:(i + 1) * P]], dtype=mx.int32)
+        kv = [get_kv(store.pool, layer, idx) for layer in range(store.pool.num_layers)]
+        handles = [states.get((i + 1) * P) if store.has_states else None for i in todo]
+        held = [h for h in handles if h is not None]
+        snaps = get_states(store.states, held) if held else ()
+        mx.eval(kv, list(snaps))
+        host = {f"{kind}{layer}": _host(a) for layer, pair in enumerate(kv)
+                for kind, a in zip("kv", pair, strict=True)}
+        snaps = [_host(x) for x in snaps]
+        meta = {"dtype": str(store.pool.keys[0].dtype)}
+        row = 0  # the next snapshot's row in ``snaps``
+        for n, (i, handle) in enumerate(zip(todo, handles, strict=True)):
+            part = {name: a[n * P:(n + 1) * P] for name, a in host.items()}
+            self.disk.put(keys[i], keys[i - 1] if i else self.salt, self.salt, P, part, meta)
+            if handle is not None:
                 self.disk.put(state_key(keys[i]), keys[i], self.salt, 0,
-                              {f"s{j}": _host(s) for j, s in enumerate(snap)},
-                              {"dtypes": [str(s.dtype) for s in snap]})
+                              {f"s{j}": x[row:row + 1] for j, x in enumerate(snaps)},
+                              {"dtypes": [str(x.dtype) for x in store.states.arrays]})
+                row += 1
 
     def flush_all(self) -> None:
         """Spill every leaf of the tree and wait for the writes."""
@@ -241,8 +243,7 @@ class DiskTier:
             except Exception:  # noqa: BLE001 - a read that failed is a miss
                 pages = []
             self._apply(r, pages)
-            r.future = _DONE
-        self.pending = [r for r in self.pending if r.future is not _DONE]
+        self.pending = [r for r in self.pending if not any(r is d for d in done)]
         for r in done:
             r.job.state = "waiting"
         return [r.job for r in done]
