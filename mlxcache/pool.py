@@ -332,14 +332,36 @@ def set_kv_all_layers(
         raise ValueError(
             f"need one k and one v per layer ({pool.num_layers}), got {len(ks)} ks and {len(vs)} vs"
         )
-    slots = _as_slots(pool, slots)
+    if not isinstance(slots, mx.array):  # host slots: checked once, a run found on the host
+        slots = host_slots("slots", slots, pool.num_slots)
+    run = _run_start(slots)
+    slots = _as_slots(pool, slots) if run is None else slots
     t = slots.shape[0]
     ks = [_as_rows(pool, f"ks[{i}]", k, t) for i, k in enumerate(ks)]
     vs = [_as_rows(pool, f"vs[{i}]", v, t) for i, v in enumerate(vs)]
+    if run is not None:  # host slots in one ascending run: a slice write (3-4x a scatter's speed)
+        start = mx.array([run])
+
+        def write(dst: mx.array, rows: mx.array) -> mx.array:
+            return mx.slice_update(dst, rows, start, axes=(0,))
+    else:
+
+        def write(dst: mx.array, rows: mx.array) -> mx.array:
+            return _scatter_rows(dst, slots, rows)
+
     return KVPool(
-        keys=tuple(_scatter_rows(dst, slots, k) for dst, k in zip(pool.keys, ks, strict=True)),
-        values=tuple(_scatter_rows(dst, slots, v) for dst, v in zip(pool.values, vs, strict=True)),
+        keys=tuple(write(dst, k) for dst, k in zip(pool.keys, ks, strict=True)),
+        values=tuple(write(dst, v) for dst, v in zip(pool.values, vs, strict=True)),
     )
+
+
+def _run_start(slots: mx.array | np.ndarray | Sequence[int]) -> int | None:
+    """The first of checked host ``slots`` (``host_slots``) that form one ascending run
+    ``s, s+1, ...`` (else None; device slots are not read back to find out)."""
+    if not isinstance(slots, np.ndarray) or slots.ndim != 1 or not slots.size:
+        return None
+    h = slots
+    return int(h[0]) if h[-1] - h[0] == h.size - 1 and np.all(np.diff(h) == 1) else None
 
 
 def get_kv(

@@ -48,7 +48,7 @@ from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.store import PrefixStore
 from mlxcache.engine.support import Support
 from mlxcache.pool import get_kv, get_states, set_kv_all_layers, set_states
-from servecore.diskcache import DiskStore, chain, digest_buffers, salt
+from servecore.diskcache import DiskStore, Page, chain, digest_buffers, salt
 from servecore.radix import TreeNode, path_of
 
 log = logging.getLogger("mlxcache")
@@ -77,6 +77,15 @@ def _host(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.array(a, copy=True)
+
+
+def _host_dtype(dtype: mx.Dtype) -> np.dtype:
+    """The NumPy dtype ``_host`` gives an array of ``dtype``.
+
+    >>> _host_dtype(mx.bfloat16), _host_dtype(mx.float16)
+    (dtype('uint16'), dtype('float16'))
+    """
+    return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(str(dtype).split(".")[-1])
 
 
 def _device(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
@@ -136,7 +145,8 @@ class _Reload:
     job: Job
     keys: list[str]  # the pages asked for (and the state's key, for hybrid models)
     start: int  # the first page asked for
-    future: Future
+    arrays: dict[str, np.ndarray]  # the pages' K/V, joined: the reader reads into slices
+    future: Future  # of the pages read
 
 
 class DiskTier:
@@ -225,7 +235,15 @@ class DiskTier:
             return False
         start = 0 if store.has_states else store.tree.peek(tokens)[0] // P
         asked = keys[start:depth] + ([state_key(keys[depth - 1])] if store.has_states else [])
-        self.pending.append(_Reload(job, asked, start, self.disk.load(asked)))
+        # one array per layer and kind for all the pages, the reader thread reads each page
+        # into its rows: no page buffers, no joining afterwards
+        n, dtype = depth - start, _host_dtype(store.pool.keys[0].dtype)
+        arrays = {f"{kind}{i}": np.empty((n * P, *x.shape[1:]), dtype)
+                  for i, pair in enumerate(zip(store.pool.keys, store.pool.values, strict=True))
+                  for kind, x in zip("kv", pair, strict=True)}
+        into = [{name: a[j * P:(j + 1) * P] for name, a in arrays.items()} for j in range(n)]
+        into += [None] * store.has_states
+        self.pending.append(_Reload(job, asked, start, arrays, self.disk.load(asked, into)))
         job.state = "reloading"
         return True
 
@@ -248,7 +266,7 @@ class DiskTier:
             r.job.state = "waiting"
         return [r.job for r in done]
 
-    def _apply(self, r: _Reload, pages: list[Any]) -> None:
+    def _apply(self, r: _Reload, pages: list[Page]) -> None:
         P, store, tokens = self.page, self.store, r.job.tokens
         if store.has_states:
             if len(pages) != len(r.keys):  # no state, or a page short: recompute
@@ -272,9 +290,10 @@ class DiskTier:
             return
         dtype = store.pool.keys[0].dtype
         layers = range(store.pool.num_layers)
-        ks = [_device(np.concatenate([p.arrays[f"k{i}"] for p in pages]), dtype) for i in layers]
-        vs = [_device(np.concatenate([p.arrays[f"v{i}"] for p in pages]), dtype) for i in layers]
-        store.pool = set_kv_all_layers(store.pool, mx.array(new, dtype=mx.int32), ks, vs)
+        rows = len(pages) * P
+        ks = [_device(r.arrays[f"k{i}"][:rows], dtype) for i in layers]
+        vs = [_device(r.arrays[f"v{i}"][:rows], dtype) for i in layers]
+        store.pool = set_kv_all_layers(store.pool, new, ks, vs)  # (one run: a slice write)
         mx.eval(store.pool)
         store.insert(tokens[:end], (m.slots[:head] if m is not None else []) + new, head)
         if store.has_states:

@@ -219,16 +219,17 @@ class Runner:
         whose prompt reaches past memory into the disk tier waits for its pages. Whether any
         reload is under way or ended."""
         disk = self.disk
-        if disk.pending and not self.admission.waiting and not self._num_running():
-            wait([r.future for r in disk.pending], timeout=0.05, return_when=FIRST_COMPLETED)
-        for job in reversed(disk.ready()):
-            if self.jobs.get(job.rid) is job:
-                self.admission.waiting.appendleft(job)
         for job in list(self.admission.waiting):
             if not job.disk_checked:
                 job.disk_checked = True
                 if disk.plan(job):
                     self.admission.waiting.remove(job)
+        # nothing else to do: wait here (a read started above ends in this round, not the next)
+        if disk.pending and not self.admission.waiting and not self._num_running():
+            wait([r.future for r in disk.pending], timeout=0.05, return_when=FIRST_COMPLETED)
+        for job in reversed(disk.ready()):
+            if self.jobs.get(job.rid) is job:
+                self.admission.waiting.appendleft(job)
         return bool(disk.pending)
 
     def _admit_and_prefill(self) -> bool:

@@ -142,6 +142,9 @@ class DiskStore:
             raise
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="diskcache-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="diskcache-read")
+        # started now: an executor starts its thread at its first task, which would add the
+        # thread's start (1-5 ms here) to the first reload a new process serves
+        self._reader.submit(lambda: None).result()
         self._closed = False
 
     # ---------------------------------------------------------------- queries ----
@@ -266,27 +269,35 @@ class DiskStore:
 
     # ------------------------------------------------------------------ reads ----
 
-    def load(self, keys: Sequence[str]) -> Future:
+    def load(self, keys: Sequence[str],
+             into: Sequence[Mapping[str, np.ndarray] | None] | None = None) -> Future:
         """A ``Future`` of the pages of the leading ``keys`` the directory holds, read on the
         reader thread; it stops at the first page missing or failing its checks (that one
-        is removed)."""
+        is removed). ``into``: for each key, arrays to read its payload into
+        (``pagefile.read_page``), or None."""
         self._check_open()
-        return self._reader.submit(self._read, list(keys))
+        keys = list(keys)
+        into = list(into) if into is not None else [None] * len(keys)
+        if len(into) != len(keys):
+            raise ValueError(f"into has {len(into)} entries for {len(keys)} keys")
+        return self._reader.submit(self._read, keys, into)
 
-    def _fetch(self, key: str) -> Page | CorruptPage | None:
+    def _fetch(self, key: str, into: Mapping[str, np.ndarray] | None = None
+               ) -> Page | CorruptPage | None:
         """One page, read and checked (None: not held)."""
         with self._mu:
             if key not in self._entries:
                 return None
         try:
-            return read_page(self._path(key), key)
+            return read_page(self._path(key), key, into)
         except CorruptPage as e:
             return e
 
-    def _read(self, keys: list[str]) -> list[Page]:
+    def _read(self, keys: list[str], into: list[Mapping[str, np.ndarray] | None]
+              ) -> list[Page]:
         pages: list[Page] = []
-        for key in keys:
-            got = self._fetch(key)
+        for key, dst in zip(keys, into, strict=True):
+            got = self._fetch(key, dst)
             if got is None:
                 break
             if isinstance(got, CorruptPage):
@@ -305,12 +316,12 @@ class DiskStore:
                 for p in pages:
                     if p.key in self._entries:
                         self._entries[p.key].used = now
+                s = self.stats
+                s.pages_read += len(pages)
+                s.tokens_read += sum(p.num_tokens for p in pages)
+                s.bytes_read += sum(a.nbytes for p in pages for a in p.arrays.values())
             # recorded on the writer thread: a reload does not wait for the index's fsync
             self._writer.submit(self.index.touch, [p.key for p in pages], now)
-            s = self.stats
-            s.pages_read += len(pages)
-            s.tokens_read += sum(p.num_tokens for p in pages)
-            s.bytes_read += sum(a.nbytes for p in pages for a in p.arrays.values())
         return pages
 
     # ---------------------------------------------------------------- the end ----

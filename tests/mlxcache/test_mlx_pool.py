@@ -99,6 +99,21 @@ def test_set_kv_all_layers_matches_per_layer_writes():
     assert_same(set_kv_all_layers(pool, slots, ks, vs), snapshot(expected))
 
 
+@pytest.mark.parametrize("slots", [[2, 3, 4], np.array([3, 4, 5]), [5], [4, 3, 2], [1, 2, 4]])
+def test_host_slots_in_one_run_write_as_a_scatter_does(slots):
+    """Host slots in one ascending run take a slice write; any other order a scatter: both
+    write what per-layer scatters of device slots write."""
+    pool = init_pool(num_layers=2, num_slots=6, n_kv_heads=1, head_dim=3, dtype=mx.float32)
+    pool = set_kv_all_layers(pool, list(range(6)), [rand((6, 1, 3), i) for i in range(2)],
+                             [rand((6, 1, 3), 5 + i) for i in range(2)])
+    ks = [rand((len(slots), 1, 3), 20 + i) for i in range(2)]
+    vs = [rand((len(slots), 1, 3), 30 + i) for i in range(2)]
+    expected, device = pool, mx.array([int(s) for s in slots], dtype=mx.int32)
+    for layer in range(2):
+        expected = set_kv(expected, layer, device, ks[layer], vs[layer])
+    assert_same(set_kv_all_layers(pool, slots, ks, vs), snapshot(expected))
+
+
 def test_padding_sink_rows_never_touch_live_slots():
     pool = init_pool(num_layers=1, num_slots=6, n_kv_heads=1, head_dim=2, dtype=mx.float32)
     live = mx.array([1, 2, 3, 4, 5], dtype=mx.int32)

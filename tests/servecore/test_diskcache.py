@@ -139,6 +139,31 @@ def _du(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def test_pages_read_in_place_into_joined_arrays(tmp_path):
+    """``load(keys, into=...)`` reads each payload straight into the caller's slices (a reload
+    joins pages without copying them); a page whose arrays are not the expected ones is a
+    miss that ends the read, and is set aside like any damaged page."""
+    store = DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0)
+    keys = _put_chain(store, list(range(13)))  # three whole pages
+    joined = {"kv": np.empty((3 * PAGE, 64), np.float16), "state": np.empty((3, 3), np.int32)}
+    into = [{"kv": joined["kv"][i * PAGE:(i + 1) * PAGE], "state": joined["state"][i]}
+            for i in range(3)]
+    pages = store.load(keys, into).result()
+    assert len(pages) == 3
+    for i, key in enumerate(keys):
+        want = _arrays(key)
+        assert np.array_equal(joined["kv"][i * PAGE:(i + 1) * PAGE], want["kv"])
+        assert np.array_equal(joined["state"][i], want["state"])
+        assert np.shares_memory(pages[i].arrays["kv"], joined["kv"])
+    wrong = [into[0], {"kv": np.empty((PAGE, 32), np.float16), "state": into[1]["state"]},
+             into[2]]
+    assert len(store.load(keys, wrong).result()) == 1
+    assert store.stats.set_aside == 1 and store.depth(keys) == 1
+    with pytest.raises(ValueError, match="into has 1 entries for 3 keys"):
+        store.load(keys, into[:1])
+    store.close()
+
+
 def test_a_long_session_with_a_small_budget_never_exceeds_it(tmp_path):
     budget = 40_000  # the index (about 12 KB) and a few dozen pages
     rng = np.random.default_rng(0)
