@@ -72,7 +72,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -80,11 +80,13 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache
 
 from mlxcache.pool import KVPool, get_kv, host_slots
+from mlxcache.quant import KVQuant, parts
 
 if TYPE_CHECKING:  # annotations only (they stay strings): no import cost at run time
     from jaxtyping import Float
 
-__all__ = ["MIN_CAPACITY", "RaggedArraysCache", "RaggedKVCache", "capacity"]
+__all__ = ["MIN_CAPACITY", "QuantizedRaggedKVCache", "RaggedArraysCache", "RaggedKVCache",
+           "capacity", "kv_concat", "kv_map"]
 
 MIN_CAPACITY = 16
 """The smallest token capacity of a ``RaggedKVCache`` buffer."""
@@ -102,6 +104,35 @@ def capacity(tokens: int, step: int = 256) -> int:
     if tokens >= step:
         return step * -(-tokens // step)
     return max(MIN_CAPACITY, 1 << (tokens - 1).bit_length())
+
+
+def kv_map(f: Any, *xs: Any) -> Any:
+    """``f`` applied to K or V entries ``xs``: to the arrays, or part by part to the parts of
+    quantized ones (``mlxcache.quant``), keeping the form.
+
+    >>> kv_map(lambda a: a + 1, mx.zeros(2)).tolist()
+    [1.0, 1.0]
+    >>> [a.shape for a in kv_map(lambda a: a[:1], (mx.zeros((2, 4)), mx.zeros((2, 1))))]
+    [(1, 4), (1, 1)]
+    """
+    if isinstance(xs[0], mx.array):
+        return f(*xs)
+    return tuple(f(*ps) for ps in zip(*xs, strict=True))
+
+
+def kv_concat(xs: Sequence[Any], axis: int) -> Any:
+    """K or V entries ``xs`` (arrays, or parts) joined along ``axis``, part by part.
+
+    >>> [a.shape for a in kv_concat([(mx.zeros((1, 2)), mx.zeros((1, 1)))] * 3, axis=0)]
+    [(3, 2), (3, 1)]
+    """
+    return kv_map(lambda *a: mx.concatenate(a, axis=axis), *xs)
+
+
+def _put(dst: Any, index: tuple, src: Any) -> None:
+    """``dst[index] = src``, part by part (into a buffer this cache owns)."""
+    for d, x in zip(parts(dst), parts(src), strict=True):
+        d[index] = x
 
 
 def _pow2(n: int) -> int:
@@ -159,8 +190,8 @@ class RaggedKVCache:
     step = 256
 
     def __init__(self, num_rows: int = 0, window: int | None = None):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Any = None  # an array (R, H, T, D), or the parts of a quantized one
+        self.values: Any = None
         self.lengths: list[int] = [0] * num_rows
         self.starts: list[int] = [0] * num_rows  # each row's first token's position
         self.window = window
@@ -216,45 +247,22 @@ class RaggedKVCache:
         out = []
         for layer, window in zip(layers, windows, strict=True):
             if window not in tables:
-                tables[window] = cls._slot_table(checked, window, reserve)
+                tables[window] = _slot_table(checked, window, reserve, cls.step)
             starts, lengths, table = tables[window]
-            cache = cls(len(checked), window)
+            cache = _new(pool.layer_quant(layer), len(checked), window)
             cache.starts = list(starts)
             if table is not None:
                 width = table.shape[0] // len(checked)
                 k, v = get_kv(pool, layer, table)
                 b, h = len(checked), pool.n_kv_heads
-                cache.keys = mx.contiguous(k.reshape(b, width, h, pool.head_dim).swapaxes(1, 2))
-                cache.values = mx.contiguous(
-                    v.reshape(b, width, h, pool.v_head_dim).swapaxes(1, 2))
+
+                def rows(a: mx.array, b: int = b, width: int = width, h: int = h) -> mx.array:
+                    return mx.contiguous(a.reshape(b, width, h, a.shape[-1]).swapaxes(1, 2))
+
+                cache.keys, cache.values = kv_map(rows, k), kv_map(rows, v)
                 cache.lengths = list(lengths)
             out.append(cache)
         return out
-
-    @classmethod
-    def _slot_table(cls, rows: list[np.ndarray], window: int | None, reserve: int
-                    ) -> tuple[list[int], list[int], mx.array | None]:
-        """``(starts, lengths, table)`` of rows of prefix slots: a sliding layer keeps only
-        each row's last ``window - 1`` tokens, all that the next query sees; ``table`` is the
-        flat ``[B * width]`` gather of the buffer, None if every row is empty.
-
-        The gather fills the whole buffer, ``width = capacity(widest + reserve)`` with room for
-        ``reserve`` more tokens (so the coming prefill writes in place, not into a grown
-        copy); its tail is slot 0, the sink: padding, never read (lengths and masks bound
-        every read), so no zeroed buffer is written twice."""
-        starts = [0] * len(rows)
-        if window is not None:
-            starts = [max(0, len(r) - (window - 1)) for r in rows]
-            rows = [r[s:] for r, s in zip(rows, starts, strict=True)]
-        lengths = [len(r) for r in rows]
-        widest = max(lengths, default=0)
-        if widest == 0:
-            return starts, lengths, None
-        width = capacity(widest + max(reserve, 0), cls.step)
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = r
-        return starts, lengths, mx.array(table.reshape(-1))
 
     # -------------------------------------------------------------- rows (host side) ----
 
@@ -263,20 +271,29 @@ class RaggedKVCache:
         """Live rows ``B`` (requests in the batch)."""
         return len(self.lengths)
 
-    def _grow(self, rows: int, tokens: int, like_k: mx.array, like_v: mx.array) -> None:
+    def _caps(self) -> tuple[int, int]:
+        """``(row_capacity, capacity)`` of the buffers."""
+        shape = parts(self.keys)[0].shape
+        return shape[0], shape[2]
+
+    def _grow(self, rows: int, tokens: int, like_k: Any, like_v: Any) -> None:
         """Room for ``rows`` rows (a power of two) of ``tokens`` tokens (``capacity``)."""
-        r_cap, t_cap = (0, 0) if self.keys is None else (self.keys.shape[0], self.keys.shape[2])
+        r_cap, t_cap = (0, 0) if self.keys is None else self._caps()
         if rows <= r_cap and tokens <= t_cap:
             return
         new_r = max(r_cap, _pow2(rows))
         new_t = max(t_cap, capacity(tokens, self.step))
-        _, h, _, dk = like_k.shape
-        keys = mx.zeros((new_r, h, new_t, dk), like_k.dtype)
-        values = mx.zeros((new_r, h, new_t, like_v.shape[3]), like_v.dtype)
+        h = parts(like_k)[0].shape[1]
+
+        def zeros(like: mx.array) -> mx.array:
+            return mx.zeros((new_r, h, new_t, like.shape[3]), like.dtype)
+
+        keys, values = kv_map(zeros, like_k), kv_map(zeros, like_v)
         if self.keys is not None and max(self.lengths, default=0) > 0:
             b, t = min(self.batch_size, r_cap), max(self.lengths)
-            keys[:b, :, :t] = self.keys[:b, :, :t]
-            values[:b, :, :t] = self.values[:b, :, :t]
+            index = (slice(0, b), slice(None), slice(0, t))
+            _put(keys, index, kv_map(lambda a: a[index], self.keys))
+            _put(values, index, kv_map(lambda a: a[index], self.values))
         self.keys, self.values = keys, values
 
     def add_row(
@@ -296,16 +313,17 @@ class RaggedKVCache:
             >>> c.lengths
             [3]
         """
-        if keys.ndim != 4 or keys.shape[0] != 1 or values.shape[:3] != keys.shape[:3]:
+        k0, v0 = parts(keys)[0], parts(values)[0]
+        if k0.ndim != 4 or k0.shape[0] != 1 or v0.shape[:3] != k0.shape[:3]:
             raise ValueError(
                 "add_row takes keys/values (1, n_kv_heads, T, head_dim), "
-                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+                f"got {tuple(k0.shape)} and {tuple(v0.shape)}"
             )
-        t = keys.shape[2]
-        row = self.batch_size
+        t, row = k0.shape[2], self.batch_size
         self._grow(row + 1, t, keys, values)
-        self.keys[row : row + 1, :, :t] = keys
-        self.values[row : row + 1, :, :t] = values
+        index = (slice(row, row + 1), slice(None), slice(0, t))
+        _put(self.keys, index, keys)
+        _put(self.values, index, values)
         self.lengths.append(t)
         self.starts.append(start)
         return row
@@ -327,11 +345,12 @@ class RaggedKVCache:
         if row != last:
             t = self.lengths[last]
             # Copy the moved row out first (and evaluate it) so the buffer is written in place.
-            k = mx.contiguous(self.keys[last : last + 1, :, :t])
-            v = mx.contiguous(self.values[last : last + 1, :, :t])
+            k = kv_map(lambda a: mx.contiguous(a[last : last + 1, :, :t]), self.keys)
+            v = kv_map(lambda a: mx.contiguous(a[last : last + 1, :, :t]), self.values)
             mx.eval(k, v)
-            self.keys[row : row + 1, :, :t] = k
-            self.values[row : row + 1, :, :t] = v
+            index = (slice(row, row + 1), slice(None), slice(0, t))
+            _put(self.keys, index, k)
+            _put(self.values, index, v)
             self.lengths[row] = t
             self.starts[row] = self.starts[last]
         self.lengths.pop()
@@ -350,13 +369,13 @@ class RaggedKVCache:
         if self.keys is None or not self.lengths:
             self.keys = self.values = None
             return
-        r_cap, t_cap = self.keys.shape[0], self.keys.shape[2]
+        r_cap, t_cap = self._caps()
         new_r = min(r_cap, _pow2(self.batch_size))
         new_t = min(t_cap, capacity(max(self.lengths), self.step))
         if (new_r, new_t) == (r_cap, t_cap):
             return
-        self.keys = mx.contiguous(self.keys[:new_r, :, :new_t])
-        self.values = mx.contiguous(self.values[:new_r, :, :new_t])
+        self.keys = kv_map(lambda a: mx.contiguous(a[:new_r, :, :new_t]), self.keys)
+        self.values = kv_map(lambda a: mx.contiguous(a[:new_r, :, :new_t]), self.values)
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set each row's length to ``lengths[i]`` (at most its current one): after a padded
@@ -379,9 +398,11 @@ class RaggedKVCache:
         """Row ``row``'s position after its last token (its request's length so far)."""
         return self.starts[row] + self.lengths[row]
 
-    def row(self, row: int, start: int | None = None) -> tuple[mx.array, mx.array]:
+    def row(self, row: int, start: int | None = None, end: int | None = None
+            ) -> tuple[Any, Any]:
         """Row ``row``'s keys and values from position ``start`` on (default: all it holds,
-        from ``starts[row]``), ``(1, H, end - start, D)``.
+        from ``starts[row]``) to ``end`` (default: all), ``(1, H, end - start, D)`` (a
+        quantized cache's: its parts).
 
         Examples:
             >>> c = RaggedKVCache()
@@ -389,11 +410,12 @@ class RaggedKVCache:
             >>> c.row(0, start=3)[0].shape
             (1, 2, 2, 4)
         """
-        t = self.lengths[row]
+        t = self.lengths[row] if end is None else end - self.starts[row]
         first = 0 if start is None else start - self.starts[row]
         if first < 0:
             raise ValueError(f"row {row} holds positions from {self.starts[row]}, not {start}")
-        return self.keys[row : row + 1, :, first:t], self.values[row : row + 1, :, first:t]
+        index = (slice(row, row + 1), slice(None), slice(first, t))
+        return kv_map(lambda a: a[index], self.keys), kv_map(lambda a: a[index], self.values)
 
     # ------------------------------------------------------------ mlx-lm protocol ----
 
@@ -478,21 +500,29 @@ class RaggedKVCache:
         b, _, n, _ = keys.shape
         if b != self.batch_size:
             raise ValueError(f"the cache has {self.batch_size} rows, got keys for {b}")
+        keys, values = self._stored(keys), self._stored(values)
         self._grow(b, max(self.lengths) + n, keys, values)
         if self._uniform():
             s = self.lengths[0]
-            self.keys[:b, :, s : s + n] = keys
-            self.values[:b, :, s : s + n] = values
+            index = (slice(0, b), slice(None), slice(s, s + n))
+            _put(self.keys, index, keys)
+            _put(self.values, index, values)
         else:
             # One in-place scatter over the whole buffer; dead rows write at token 0.
-            r_cap = self.keys.shape[0]
+            r_cap = self._caps()[0]
             pos = mx.array(self.lengths + [0] * (r_cap - b), dtype=mx.int32)
             pos = pos[:, None] + mx.arange(n)[None]
-            self.keys = _scatter_tokens(self.keys, pos, keys)
-            self.values = _scatter_tokens(self.values, pos, values)
+            self.keys = kv_map(lambda buf, new: _scatter_tokens(buf, pos, new), self.keys, keys)
+            self.values = kv_map(lambda buf, new: _scatter_tokens(buf, pos, new), self.values,
+                                 values)
         self.lengths = [t + n for t in self.lengths]
         t = max(self.lengths)
-        return self.keys[:b, :, :t], self.values[:b, :, :t]
+        return (kv_map(lambda a: a[:b, :, :t], self.keys),
+                kv_map(lambda a: a[:b, :, :t], self.values))
+
+    def _stored(self, x: mx.array) -> Any:
+        """New keys or values as the buffers hold them (here: as they are)."""
+        return x
 
     @property
     def state(self) -> tuple[mx.array | None, mx.array | None]:
@@ -519,7 +549,68 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers (their capacity, not just the live tokens)."""
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in parts(self.keys) + parts(self.values))
+
+
+def _slot_table(rows: list[np.ndarray], window: int | None, reserve: int, step: int
+                ) -> tuple[list[int], list[int], mx.array | None]:
+    """``(starts, lengths, table)`` of rows of prefix slots: a sliding layer keeps only
+    each row's last ``window - 1`` tokens, all that the next query sees; ``table`` is the
+    flat ``[B * width]`` gather of the buffer, None if every row is empty.
+
+    The gather fills the whole buffer, ``width = capacity(widest + reserve)`` with room for
+    ``reserve`` more tokens (so the coming prefill writes in place, not into a grown
+    copy); its tail is slot 0, the sink: padding, never read (lengths and masks bound
+    every read), so no zeroed buffer is written twice."""
+    starts = [0] * len(rows)
+    if window is not None:
+        starts = [max(0, len(r) - (window - 1)) for r in rows]
+        rows = [r[s:] for r, s in zip(rows, starts, strict=True)]
+    lengths = [len(r) for r in rows]
+    widest = max(lengths, default=0)
+    if widest == 0:
+        return starts, lengths, None
+    width = capacity(widest + max(reserve, 0), step)
+    table = np.zeros((len(rows), width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return starts, lengths, mx.array(table.reshape(-1))
+
+
+class QuantizedRaggedKVCache(RaggedKVCache):
+    """A ``RaggedKVCache`` whose buffers hold keys and values quantized as mlx-lm's
+    ``QuantizedKVCache`` holds them (``mlxcache.quant``): ``bits`` and ``group_size`` tell
+    mlx-lm's attention to take its quantized path, ``update_and_fetch`` quantizes the new
+    tokens and returns the parts, and rows come and go as parts.
+
+    Examples:
+        >>> import mlx.core as mx
+        >>> c = QuantizedRaggedKVCache(bits=8, group_size=32)
+        >>> c.add_row(*(KVQuant(8, 32).quantize(mx.zeros((1, 2, 3, 64))),) * 2)
+        0
+        >>> k, v = c.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)))
+        >>> [a.shape for a in k], c.lengths, c.bits
+        ([(1, 2, 4, 16), (1, 2, 4, 2), (1, 2, 4, 2)], [4], 8)
+    """
+
+    def __init__(self, num_rows: int = 0, window: int | None = None, *, bits: int,
+                 group_size: int):
+        super().__init__(num_rows, window)
+        self.quant = KVQuant(bits, group_size)
+        self.bits, self.group_size = bits, group_size
+
+    def _stored(self, x: mx.array) -> Any:
+        """New keys or values, quantized."""
+        return self.quant.quantize(x)
+
+
+def _new(quant: KVQuant | None, num_rows: int, window: int | None) -> RaggedKVCache:
+    """An empty ragged cache, quantized as ``quant`` says."""
+    if quant is None:
+        return RaggedKVCache(num_rows, window)
+    return QuantizedRaggedKVCache(num_rows, window, bits=quant.bits, group_size=quant.group_size)
 
 
 class RaggedArraysCache(ArraysCache):

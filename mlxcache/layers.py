@@ -45,31 +45,41 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
-from mlxcache.cache import RaggedArraysCache, RaggedKVCache
+from mlxcache.cache import QuantizedRaggedKVCache, RaggedArraysCache, RaggedKVCache
+from mlxcache.quant import KVQuant
 
-__all__ = ["Layout", "Leaf", "build", "describe", "leaves"]
+__all__ = ["Layout", "Leaf", "build", "describe", "leaves", "model_caches"]
 
 
 @dataclass(frozen=True)
 class Leaf:
     """One cache of one layer: ``kind`` is ``"kv"``, ``"window"`` (``window`` tokens) or
-    ``"arrays"`` (``size`` state arrays).
+    ``"arrays"`` (``size`` state arrays); a ``"kv"`` leaf with a ``quant`` holds its K/V
+    quantized (``Layout.quantized``).
 
     Examples:
         >>> from mlx_lm.models.cache import RotatingKVCache
         >>> describe([RotatingKVCache(max_size=16)]).leaves
-        (Leaf(kind='window', window=16, size=0),)
+        (Leaf(kind='window', window=16, size=0, quant=None),)
     """
 
     kind: str
     window: int | None = None
     size: int = 0
+    quant: KVQuant | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,56 @@ class Layout:
     def state_leaves(self) -> tuple[int, ...]:
         """Indices (into ``leaves``) of the recurrent-state caches."""
         return tuple(i for i, leaf in enumerate(self.leaves) if leaf.kind == "arrays")
+
+    @property
+    def kv_quant(self) -> tuple[KVQuant | None, ...]:
+        """Per attention cache (``kv_leaves`` order), its quantization (None: full
+        precision): the KV pool's ``quant``."""
+        flat = self.leaves
+        return tuple(flat[i].quant for i in self.kv_leaves)
+
+    def layer_of(self, leaf: int) -> int:
+        """The layer (index into ``entries``) that leaf ``leaf`` belongs to."""
+        n = 0
+        for layer, e in enumerate(self.entries):
+            n += len(e) if isinstance(e, tuple) else 1
+            if leaf < n:
+                return layer
+        raise ValueError(f"leaf={leaf} must be in [0, {n})")
+
+    def quantized(self, quant: KVQuant, dims: Sequence[int], skip: Sequence[int] = ()
+                  ) -> tuple[Layout, tuple[str, ...]]:
+        """This layout with every full-attention cache quantized as ``quant`` (what mlx-lm's
+        ``QuantizedKVCache`` can stand for), except leaves ``skip``; and a line for each
+        attention layer left in full precision, and why. ``dims``: the head sizes of keys
+        and values (the group must divide them).
+
+        Examples:
+            >>> from mlx_lm.models.cache import KVCache, RotatingKVCache
+            >>> layout = describe([KVCache(), RotatingKVCache(max_size=8)])
+            >>> q, kept = layout.quantized(KVQuant(8, 32), (64, 64))
+            >>> q.kv_quant, kept
+            ((KVQuant(bits=8, group_size=32), None), ('layer 1: sliding window (8 tokens)',))
+            >>> layout.quantized(KVQuant(8, 32), (48, 48))[1]
+            ('layer 0: head size 48 (kv_group_size=32 does not divide it)', \
+'layer 1: sliding window (8 tokens)')
+        """
+        flat, kept = list(self.leaves), []
+        for i in self.kv_leaves:
+            leaf, layer = flat[i], self.layer_of(i)
+            if leaf.kind == "window":
+                kept.append(f"layer {layer}: sliding window ({leaf.window} tokens)")
+            elif not all(quant.fits(d) for d in dims):
+                kept.append(f"layer {layer}: head size {'/'.join(map(str, sorted(set(dims))))} "
+                            f"(kv_group_size={quant.group_size} does not divide it)")
+            elif i in skip:
+                kept.append(f"layer {layer}: its attention refuses quantized K/V")
+            else:
+                flat[i] = replace(leaf, quant=quant)
+        it = iter(flat)
+        entries = tuple(tuple(next(it) for _ in e) if isinstance(e, tuple) else next(it)
+                        for e in self.entries)
+        return Layout(entries, self.unsupported, self.kinds, self.like), tuple(kept)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -166,7 +226,33 @@ def describe(caches: Sequence[Any]) -> Layout:
 def _make(leaf: Leaf, num_rows: int, like: Any) -> Any:
     if leaf.kind == "arrays":
         return RaggedArraysCache.from_rows(leaf.size, like, [None] * num_rows)
+    if leaf.quant is not None:
+        return QuantizedRaggedKVCache(num_rows, leaf.window, bits=leaf.quant.bits,
+                                      group_size=leaf.quant.group_size)
     return RaggedKVCache(num_rows, leaf.window)
+
+
+def model_caches(model: Any, layout: Layout) -> list[Any]:
+    """The model's own mlx-lm caches (``make_prompt_cache``), with mlx-lm's
+    ``QuantizedKVCache`` of the same bits and group size for each cache ``layout``
+    quantizes: what one request computes with mlx-lm alone, the oracle of a quantized pool.
+
+    Examples:
+        >>> from mlxcache.zoo import make_model
+        >>> model = make_model()
+        >>> layout = describe(make_prompt_cache(model)).quantized(KVQuant(4, 32), (32, 32))[0]
+        >>> [type(c).__name__ for c in model_caches(model, layout)][:2]
+        ['QuantizedKVCache', 'QuantizedKVCache']
+    """
+    caches = make_prompt_cache(model)
+    quant = iter(leaf.quant for leaf in layout.leaves)
+
+    def swap(c: Any) -> Any:
+        q = next(quant)
+        return c if q is None else QuantizedKVCache(group_size=q.group_size, bits=q.bits)
+
+    return [CacheList(*(swap(m) for m in c.caches)) if isinstance(c, CacheList) else swap(c)
+            for c in caches]
 
 
 def build(layout: Layout, num_rows: int = 0, leaf_caches: Sequence[Any] | None = None

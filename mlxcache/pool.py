@@ -32,11 +32,12 @@ pool ``POOL_NAME``:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from mlxcache.quant import KVQuant, parts
 from servecore.errors import PoolExhausted
 from servecore.validate import INT32_MAX, check_int, is_int, plain_ints
 
@@ -77,9 +78,15 @@ class KVPool(NamedTuple):
     ``mx.compile`` and ``mx.eval`` as a tree. Build one with ``init_pool``; change it
     only through ``set_kv`` / ``set_kv_all_layers``, which return a new pool.
 
+    A quantized layer (``quant[layer]`` a ``KVQuant``: ``Engine(kv_bits=...)``) holds its keys
+    and its values as the three parts of ``mx.quantize`` (``mlxcache.quant``), each
+    ``[num_slots, n_kv_heads, width]``: codes, scales, biases. The functions below take and
+    give those tuples for it (or quantize a float array written to it).
+
     Attributes:
-        keys: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]``.
-        values: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]``.
+        keys: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]`` (or parts).
+        values: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]`` (or parts).
+        quant: per layer, its ``KVQuant`` or None (empty: no layer is quantized).
 
     Examples:
         >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
@@ -87,10 +94,18 @@ class KVPool(NamedTuple):
         (2, 8, 4, 16, mlx.core.float16)
         >>> pool.bytes_per_slot, pool.nbytes
         (512, 4096)
+        >>> q = init_pool(2, 8, 4, 64, quant=[KVQuant(8, 64), None])  # layer 0 at 8 bits
+        >>> q.head_dim, [a.shape for a in q.keys[0]], q.bytes_per_slot, 4 * 64 * 2 * 2 * 2
+        (64, [(8, 4, 16), (8, 4, 1), (8, 4, 1)], 1568, 2048)
     """
 
-    keys: tuple[mx.array, ...]
-    values: tuple[mx.array, ...]
+    keys: tuple[mx.array | tuple[mx.array, ...], ...]
+    values: tuple[mx.array | tuple[mx.array, ...], ...]
+    quant: tuple[KVQuant | None, ...] = ()
+
+    def layer_quant(self, layer: int) -> KVQuant | None:
+        """``layer``'s quantization (None: full precision)."""
+        return self.quant[layer] if self.quant else None
 
     @property
     def num_layers(self) -> int:
@@ -100,52 +115,66 @@ class KVPool(NamedTuple):
     @property
     def num_slots(self) -> int:
         """Token slots per layer, the padding sink (slot 0) included."""
-        return self.keys[0].shape[0]
+        return parts(self.keys[0])[0].shape[0]
 
     @property
     def n_kv_heads(self) -> int:
         """Key/value heads per token."""
-        return self.keys[0].shape[1]
+        return parts(self.keys[0])[0].shape[1]
+
+    def _dim(self, x: mx.array | tuple[mx.array, ...]) -> int:
+        q = self.layer_quant(0)
+        return x.shape[2] if q is None else x[1].shape[2] * q.group_size
 
     @property
     def head_dim(self) -> int:
-        """Size of one head's key (and value) vector."""
-        return self.keys[0].shape[2]
+        """Size of one head's key (and value) vector (before any quantization)."""
+        return self._dim(self.keys[0])
 
     @property
     def v_head_dim(self) -> int:
         """Size of one head's value vector (``head_dim`` unless the model's differ, as MLA's
         keys and values do)."""
-        return self.values[0].shape[2]
+        return self._dim(self.values[0])
 
     @property
     def dtype(self) -> mx.Dtype:
-        """Element type of every key and value array."""
-        return self.keys[0].dtype
+        """Element type of the keys and values (of a quantized layer's scales and biases)."""
+        return parts(self.keys[0])[-1].dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all key and value arrays together."""
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(a.nbytes for x in self.keys + self.values for a in parts(x))
 
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one token slot takes across all layers, keys and values."""
         return bytes_per_token_slot(self.num_layers, self.n_kv_heads, self.head_dim, self.dtype,
-                                    self.v_head_dim)
+                                    self.v_head_dim, self.quant or None)
 
 
 def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                         v_head_dim: int | None = None) -> int:
+                         v_head_dim: int | None = None,
+                         quant: Sequence[KVQuant | None] | None = None) -> int:
     """Bytes one token slot takes: keys and values of every layer (values of ``v_head_dim``,
-    by default ``head_dim``).
+    by default ``head_dim``; a layer with a ``quant`` in its quantized form).
 
     Examples:
         >>> bytes_per_token_slot(num_layers=2, n_kv_heads=4, head_dim=16, dtype=mx.float16)
         512
+        >>> bytes_per_token_slot(2, 4, 64, mx.float16, quant=[KVQuant(4, 64)] * 2)
+        576
     """
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    return num_layers * n_kv_heads * (head_dim + v_head_dim) * dtype.size
+    total = 0
+    for q in quant or [None] * num_layers:
+        if q is None:
+            total += n_kv_heads * (head_dim + v_head_dim) * dtype.size
+        else:
+            total += n_kv_heads * (q.bytes_per_vector(head_dim, dtype)
+                                   + q.bytes_per_vector(v_head_dim, dtype))
+    return total
 
 
 def init_pool(
@@ -155,9 +184,11 @@ def init_pool(
     head_dim: int,
     dtype: mx.Dtype = mx.float16,
     v_head_dim: int | None = None,
+    quant: Sequence[KVQuant | None] | None = None,
 ) -> KVPool:
     """A zeroed pool: ``num_layers`` key and value arrays of ``[num_slots, n_kv_heads, head_dim]``
-    (values ``[num_slots, n_kv_heads, v_head_dim]`` when given).
+    (values ``[num_slots, n_kv_heads, v_head_dim]`` when given); a layer whose ``quant`` entry
+    is a ``KVQuant`` holds the parts of its quantized form instead.
 
     ``num_slots`` counts the padding sink (slot 0), so it must be at least 2.
 
@@ -165,6 +196,10 @@ def init_pool(
         >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
         >>> pool.keys[0].shape
         (8, 4, 16)
+        >>> init_pool(1, 8, 4, 16, quant=[KVQuant(8, 32)])
+        Traceback (most recent call last):
+        ...
+        ValueError: quant[0]: kv_group_size=32 does not divide the head size 16
     """
     num_layers = check_int("num_layers", num_layers, 1)
     num_slots = _check_num_slots(num_slots)
@@ -173,11 +208,24 @@ def init_pool(
     if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
         raise ValueError(f"dtype={dtype!r} must be a floating mlx dtype (mx.float16, ...)")
     v_head_dim = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
-    shape = (num_slots, n_kv_heads, head_dim)
-    return KVPool(
-        keys=tuple(mx.zeros(shape, dtype=dtype) for _ in range(num_layers)),
-        values=tuple(mx.zeros((*shape[:2], v_head_dim), dtype=dtype) for _ in range(num_layers)),
-    )
+    quant = tuple(quant) if quant is not None else ()
+    if quant and len(quant) != num_layers:
+        raise ValueError(f"quant has {len(quant)} entries for {num_layers} layers")
+    for i, q in enumerate(quant):
+        for d in {head_dim, v_head_dim}:
+            if q is not None and not q.fits(d):
+                raise ValueError(f"quant[{i}]: kv_group_size={q.group_size} does not divide "
+                                 f"the head size {d}")
+
+    def zeros(q: KVQuant | None, dim: int) -> mx.array | tuple[mx.array, ...]:
+        if q is None:
+            return mx.zeros((num_slots, n_kv_heads, dim), dtype=dtype)
+        return tuple(mx.zeros((num_slots, n_kv_heads, w), dtype=d) for w, d in q.shapes(dim, dtype))
+
+    layers = quant or (None,) * num_layers
+    return KVPool(keys=tuple(zeros(q, head_dim) for q in layers),
+                  values=tuple(zeros(q, v_head_dim) for q in layers),
+                  quant=quant if any(q is not None for q in quant) else ())
 
 
 def _check_num_slots(num_slots: int) -> int:
@@ -238,27 +286,55 @@ def _as_slots(pool: KVPool, slots: mx.array | np.ndarray | Sequence[int]) -> mx.
     return slots
 
 
-def _as_rows(pool: KVPool, name: str, x: mx.array, num_tokens: int) -> mx.array:
-    """``x`` as ``[T, n_kv_heads, head_dim]`` in the pool's dtype.
+def _as_rows(pool: KVPool, layer: int, name: str, x: Any, num_tokens: int) -> Any:
+    """``x`` as ``layer``'s rows: ``[T, n_kv_heads, head_dim]`` in the pool's dtype, or for a
+    quantized layer its parts, each ``[T, n_kv_heads, width]`` (a float ``x`` is quantized).
 
-    Accepts ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]``.
+    Accepts ``[T, n_kv_heads, head_dim]`` or mlx-lm's ``[1, n_kv_heads, T, head_dim]`` (each
+    part alike).
     """
-    want = (num_tokens, pool.n_kv_heads, pool.v_head_dim if name[0] == "v" else pool.head_dim)
-    if x.ndim == 4 and x.shape[0] == 1:
-        x = x[0].swapaxes(0, 1)
-    if tuple(x.shape) != want:
-        raise ValueError(
-            f"{name} must be [T, n_kv_heads, head_dim] = {list(want)} or "
-            f"[1, n_kv_heads, T, head_dim] = {[1, want[1], want[0], want[2]]}, "
-            f"got shape {list(x.shape)}"
-        )
-    return x.astype(pool.dtype)
+    q = pool.layer_quant(layer)
+    dst = (pool.values if name[0] == "v" else pool.keys)[layer]
+    if q is not None and isinstance(x, mx.array):
+        x = q.quantize(_tokens_first(x))
+    if isinstance(x, mx.array) != isinstance(dst, mx.array) or len(parts(x)) != len(parts(dst)):
+        want = ("an array" if isinstance(dst, mx.array)
+                else f"the {len(parts(dst))} parts of a quantized K/V")
+        raise ValueError(f"{name} must be {want} for layer {layer}, got {type(x).__name__}")
+    out = []
+    for j, (a, d) in enumerate(zip(parts(x), parts(dst), strict=True)):
+        a = _tokens_first(a)
+        want = (num_tokens, *d.shape[1:])
+        if tuple(a.shape) != want:
+            what = name if isinstance(dst, mx.array) else f"{name} part {j}"
+            raise ValueError(
+                f"{what} must be [T, n_kv_heads, head_dim] = {list(want)} or "
+                f"[1, n_kv_heads, T, head_dim] = {[1, want[1], want[0], want[2]]}, "
+                f"got shape {list(a.shape)}"
+            )
+        out.append(a.astype(d.dtype))
+    return out[0] if isinstance(dst, mx.array) else tuple(out)
 
 
-def _scatter_rows(dst: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """``dst`` with ``dst[slots[i]] = rows[i]``, as a pure op (no in-place assignment)."""
+def _tokens_first(x: mx.array) -> mx.array:
+    """mlx-lm's ``[1, n_kv_heads, T, d]`` as ``[T, n_kv_heads, d]`` (else ``x``)."""
+    return x[0].swapaxes(0, 1) if x.ndim == 4 and x.shape[0] == 1 else x
+
+
+def _scatter_rows(dst: Any, slots: mx.array, rows: Any) -> Any:
+    """``dst`` with ``dst[slots[i]] = rows[i]`` (each part alike), as a pure op (no in-place
+    assignment)."""
+    if not isinstance(dst, mx.array):
+        return tuple(_scatter_rows(d, slots, r) for d, r in zip(dst, rows, strict=True))
     index = mx.broadcast_to(slots[:, None, None], rows.shape)
     return mx.put_along_axis(dst, index, rows, axis=0)
+
+
+def _slice_rows(dst: Any, start: mx.array, rows: Any) -> Any:
+    """``dst`` with ``rows`` written from row ``start`` on (each part alike)."""
+    if not isinstance(dst, mx.array):
+        return tuple(_slice_rows(d, start, r) for d, r in zip(dst, rows, strict=True))
+    return mx.slice_update(dst, rows, start, axes=(0,))
 
 
 def _replace_at(xs: tuple[mx.array, ...], i: int, x: mx.array) -> tuple[mx.array, ...]:
@@ -298,9 +374,9 @@ def set_kv(
     _check_layer(pool, layer)
     slots = _as_slots(pool, slots)
     t = slots.shape[0]
-    k = _as_rows(pool, "k", k, t)
-    v = _as_rows(pool, "v", v, t)
-    return KVPool(
+    k = _as_rows(pool, layer, "k", k, t)
+    v = _as_rows(pool, layer, "v", v, t)
+    return pool._replace(
         keys=_replace_at(pool.keys, layer, _scatter_rows(pool.keys[layer], slots, k)),
         values=_replace_at(pool.values, layer, _scatter_rows(pool.values[layer], slots, v)),
     )
@@ -337,19 +413,19 @@ def set_kv_all_layers(
     run = _run_start(slots)
     slots = _as_slots(pool, slots) if run is None else slots
     t = slots.shape[0]
-    ks = [_as_rows(pool, f"ks[{i}]", k, t) for i, k in enumerate(ks)]
-    vs = [_as_rows(pool, f"vs[{i}]", v, t) for i, v in enumerate(vs)]
+    ks = [_as_rows(pool, i, f"ks[{i}]", k, t) for i, k in enumerate(ks)]
+    vs = [_as_rows(pool, i, f"vs[{i}]", v, t) for i, v in enumerate(vs)]
     if run is not None:  # host slots in one ascending run: a slice write (3-4x a scatter's speed)
         start = mx.array([run])
 
-        def write(dst: mx.array, rows: mx.array) -> mx.array:
-            return mx.slice_update(dst, rows, start, axes=(0,))
+        def write(dst: Any, rows: Any) -> Any:
+            return _slice_rows(dst, start, rows)
     else:
 
-        def write(dst: mx.array, rows: mx.array) -> mx.array:
+        def write(dst: Any, rows: Any) -> Any:
             return _scatter_rows(dst, slots, rows)
 
-    return KVPool(
+    return pool._replace(
         keys=tuple(write(dst, k) for dst, k in zip(pool.keys, ks, strict=True)),
         values=tuple(write(dst, v) for dst, v in zip(pool.values, vs, strict=True)),
     )
@@ -367,7 +443,8 @@ def _run_start(slots: mx.array | np.ndarray | Sequence[int]) -> int | None:
 def get_kv(
     pool: KVPool, layer: int, slots: mx.array | np.ndarray | Sequence[int]
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]``.
+    """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]`` (a
+    quantized layer's: its parts, each ``[T, n_kv_heads, width]``).
 
     Args:
         pool: the pool to read.
@@ -382,7 +459,13 @@ def get_kv(
     """
     _check_layer(pool, layer)
     slots = _as_slots(pool, slots)
-    return mx.take(pool.keys[layer], slots, axis=0), mx.take(pool.values[layer], slots, axis=0)
+
+    def take(x: Any) -> Any:
+        if isinstance(x, mx.array):
+            return mx.take(x, slots, axis=0)
+        return tuple(mx.take(a, slots, axis=0) for a in x)
+
+    return take(pool.keys[layer]), take(pool.values[layer])
 
 
 # --------------------------------------------------------------------------------------------

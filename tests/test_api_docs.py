@@ -64,6 +64,7 @@ HYBRIDATTN_API = [
 ]
 MLXCACHE_API = [
     "mlxcache.pool",
+    "mlxcache.quant",
     "mlxcache.radix",
     "mlxcache.cache",
     "mlxcache.layers",

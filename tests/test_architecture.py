@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridattn.demo",),
     ("hybridattn.serve",),
     ("hybridattn.bench",),
+    ("mlxcache.quant",),
     ("mlxcache.radix", "mlxcache.sampling", "mlxcache.logprobs", "mlxcache.pool"),
     ("mlxcache.cache",),
     ("mlxcache.layers",),

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -88,6 +89,21 @@ def _host_dtype(dtype: mx.Dtype) -> np.dtype:
     return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(str(dtype).split(".")[-1])
 
 
+def _flat(kv: Any) -> Iterator[tuple[str, mx.array]]:
+    """The arrays of per-layer ``(keys, values)`` pairs by name: ``k{layer}`` and
+    ``v{layer}``, or ``k{layer}.{part}`` for the parts of a quantized layer.
+
+    >>> [name for name, _ in _flat([(mx.zeros(1), (mx.zeros(1), mx.zeros(1)))])]
+    ['k0', 'v0.0', 'v0.1']
+    """
+    for layer, pair in enumerate(kv):
+        for kind, x in zip("kv", pair, strict=True):
+            if isinstance(x, mx.array):
+                yield f"{kind}{layer}", x
+            else:
+                yield from ((f"{kind}{layer}.{j}", a) for j, a in enumerate(x))
+
+
 def _device(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
     x = mx.array(a)
     return x.view(dtype) if dtype == mx.bfloat16 else x
@@ -113,6 +129,8 @@ def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> st
     return salt({"weights": weights, "config": json.loads(json.dumps(config, default=_plain)),
                  "model": f"{type(model).__module__}.{type(model).__name__}",
                  "tokenizer": _tokenizer_digest(tokenizer), "kv": [str(x) for x in support.kv],
+                 "quant": [None if q is None else [q.bits, q.group_size]
+                           for q in support.layout.kv_quant],
                  "layout": [str(k) for k in support.layout.kinds],
                  "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
                  "page": page, "mlx": mx.__version__})
@@ -200,10 +218,9 @@ class DiskTier:
         held = [h for h in handles if h is not None]
         snaps = get_states(store.states, held) if held else ()
         mx.eval(kv, list(snaps))
-        host = {f"{kind}{layer}": _host(a) for layer, pair in enumerate(kv)
-                for kind, a in zip("kv", pair, strict=True)}
+        host = {name: _host(a) for name, a in _flat(kv)}
         snaps = [_host(x) for x in snaps]
-        meta = {"dtype": str(store.pool.keys[0].dtype)}
+        meta = {"dtype": str(store.pool.dtype)}
         row = 0  # the next snapshot's row in ``snaps``
         for n, (i, handle) in enumerate(zip(todo, handles, strict=True)):
             part = {name: a[n * P:(n + 1) * P] for name, a in host.items()}
@@ -237,10 +254,9 @@ class DiskTier:
         asked = keys[start:depth] + ([state_key(keys[depth - 1])] if store.has_states else [])
         # one array per layer and kind for all the pages, the reader thread reads each page
         # into its rows: no page buffers, no joining afterwards
-        n, dtype = depth - start, _host_dtype(store.pool.keys[0].dtype)
-        arrays = {f"{kind}{i}": np.empty((n * P, *x.shape[1:]), dtype)
-                  for i, pair in enumerate(zip(store.pool.keys, store.pool.values, strict=True))
-                  for kind, x in zip("kv", pair, strict=True)}
+        n, pool = depth - start, store.pool
+        arrays = {name: np.empty((n * P, *x.shape[1:]), _host_dtype(x.dtype))
+                  for name, x in _flat(zip(pool.keys, pool.values, strict=True))}
         into = [{name: a[j * P:(j + 1) * P] for name, a in arrays.items()} for j in range(n)]
         into += [None] * store.has_states
         self.pending.append(_Reload(job, asked, start, arrays, self.disk.load(asked, into)))
@@ -288,11 +304,16 @@ class DiskTier:
                 store.tree.unlock(m.node)
         if new is None:
             return
-        dtype = store.pool.keys[0].dtype
-        layers = range(store.pool.num_layers)
-        rows = len(pages) * P
-        ks = [_device(r.arrays[f"k{i}"][:rows], dtype) for i in layers]
-        vs = [_device(r.arrays[f"v{i}"][:rows], dtype) for i in layers]
+        rows, pool = len(pages) * P, store.pool
+
+        def entry(name: str, like: Any) -> Any:  # the pool's form: an array, or parts
+            if isinstance(like, mx.array):
+                return _device(r.arrays[name][:rows], like.dtype)
+            return tuple(_device(r.arrays[f"{name}.{j}"][:rows], a.dtype)
+                         for j, a in enumerate(like))
+
+        ks = [entry(f"k{i}", x) for i, x in enumerate(pool.keys)]
+        vs = [entry(f"v{i}", x) for i, x in enumerate(pool.values)]
         store.pool = set_kv_all_layers(store.pool, new, ks, vs)  # (one run: a slice write)
         mx.eval(store.pool)
         store.insert(tokens[:end], (m.slots[:head] if m is not None else []) + new, head)

@@ -90,6 +90,12 @@ class Engine:
             spill there and reload on a match, ``close`` spills what memory holds, and a new
             engine on the directory finds them; ``disk_budget`` bytes at most, leaving
             ``disk_min_free`` free on the disk. One engine owns a directory at a time.
+        kv_bits: 4 or 8: the pool and the decode buffers hold the attention layers' K/V
+            quantized as mlx-lm's ``QuantizedKVCache`` of these bits and ``kv_group_size``
+            (``mlxcache.quant``), mlx-lm's attention runs its quantized path, batched, and
+            a prefix hit reads the bytes a miss writes. Sliding-window layers, and those
+            whose head size the group does not divide or whose attention refuses quantized
+            K/V (sinks), stay in full precision, named by ``Engine.quantized``.
 
     Scheduling, for time to first token: a round that admitted a prefill batch does not
     decode while admissible requests still wait (prefill first, as SGLang schedules), and
@@ -167,7 +173,8 @@ class Engine:
                  prefix_cache: bool = True, prefill_step_size: int = 2048,
                  num_snapshots: int | None = None, snapshot_interval: int = 256,
                  prefill_batch_tokens: int | None = None, cache_dir: Any = None,
-                 disk_budget: int = 8 << 30, disk_min_free: int = 1 << 30):
+                 disk_budget: int = 8 << 30, disk_min_free: int = 1 << 30,
+                 kv_bits: int | None = None, kv_group_size: int = 64):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an mlx-lm model (an mlx.nn.Module, e.g. from "
                              f"mlx_lm.load), got {type(model).__name__}: {model!r:.60}")
@@ -175,7 +182,8 @@ class Engine:
             num_slots=num_slots, page_size=page_size, mem_fraction=mem_fraction,
             max_batch_size=max_batch_size, prefix_cache=prefix_cache,
             prefill_step_size=prefill_step_size, num_snapshots=num_snapshots,
-            snapshot_interval=snapshot_interval, prefill_batch_tokens=prefill_batch_tokens)
+            snapshot_interval=snapshot_interval, prefill_batch_tokens=prefill_batch_tokens,
+            kv_bits=kv_bits, kv_group_size=kv_group_size)
         # The tokenizer's EOS ids, whichever form it keeps them in (mlx-lm: a set; Hugging
         # Face: an int, a list or None; transformers 5 may give eos_token_ids as an int).
         eos = eos_token_ids(check_tokenizer(tokenizer))
@@ -186,7 +194,8 @@ class Engine:
         mx.eval(model.parameters())  # here: evaluated arrays any thread may read
         owner = OwnerThread("mlxcache.Engine", on_exit=mx.clear_streams)
         try:  # the probe runs the model: on the engine's thread, as every round
-            self.support = owner.call(Support.probe, model, self.options.prefix_cache)
+            self.support = owner.call(Support.probe, model, self.options.prefix_cache,
+                                      self.options.quant)
             self.core = owner.call(Runner, model, self.support, self.options, self.stats)
             if cache_dir is not None:
                 _attach_disk(self, owner, cache_dir, disk_budget, disk_min_free)
@@ -233,6 +242,7 @@ class Engine:
                                     "Most uncached tokens admitted into one prefill batch.")
     layout = delegate("support.layout", "The model's caches (``mlxcache.layers.Layout``).")
     cache_kinds = delegate("support.layout.kinds", "Every cache kind the model uses, by name.")
+    quantized = delegate("support.quantized", "Which attention layers hold quantized K/V.")
 
     @property
     def num_layers(self) -> int:

@@ -43,12 +43,10 @@ def join_rows(dst: list[Any], src: list[Any], row: int, slack: int = 0) -> None:
         if isinstance(c, RaggedArraysCache):
             d.add_row(c.row(row))
             continue
-        k, v = c.row(row)
-        start, n = c.starts[row], k.shape[2]
-        if c.window is not None and n > c.window - 1 + slack:
-            drop = n - (c.window - 1 + slack)
-            k, v, start = k[:, :, drop:], v[:, :, drop:], start + drop
-        d.add_row(k, v, start)
+        start, end = c.starts[row], c.end(row)
+        if c.window is not None and end - start > c.window - 1 + slack:
+            start = end - (c.window - 1 + slack)
+        d.add_row(*c.row(row, start), start)
 
 
 def forward_padded(model: nn.Module, caches: list[Any], rows: list[list[int]], width: int

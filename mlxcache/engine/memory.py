@@ -135,7 +135,8 @@ def working_budget(support: Support, opts: Options, store: Any,
         return None
     heads, head_dim, v_head_dim, dtype = support.kv
     layout = support.layout
-    per_token = bytes_per_token_slot(len(layout.kv_leaves), heads, head_dim, dtype, v_head_dim)
+    per_token = bytes_per_token_slot(len(layout.kv_leaves), heads, head_dim, dtype, v_head_dim,
+                                     layout.kv_quant)
     per_row = sum(math.prod(x[0]) * x[1].size for leaf in layout.like for x in leaf
                   if x is not None)
     return WorkingBudget(groups, per_token, per_row, buffer_sizes(opts.mem_fraction))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxcache.quant import KVQuant
 from servecore.validate import check_int, check_real
 
 __all__ = ["Options", "UnusedOptionWarning", "check_options", "check_page_size", "unused_options"]
@@ -46,18 +47,31 @@ class Options:
     num_snapshots: int | None = None
     snapshot_interval: int = 256
     prefill_batch_tokens: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    @property
+    def quant(self) -> KVQuant | None:
+        """The K/V quantization asked for (``kv_bits``; None: full precision)."""
+        return None if self.kv_bits is None else KVQuant(self.kv_bits, self.kv_group_size)
 
 
 def check_options(*, num_slots: Any = None, page_size: Any = 1, mem_fraction: Any = 0.5,
                   max_batch_size: Any = 32, prefix_cache: Any = True,
                   prefill_step_size: Any = 2048, num_snapshots: Any = None,
-                  snapshot_interval: Any = 256, prefill_batch_tokens: Any = None) -> Options:
+                  snapshot_interval: Any = 256, prefill_batch_tokens: Any = None,
+                  kv_bits: Any = None, kv_group_size: Any = 64) -> Options:
     """``Options`` from the engine's arguments, each checked: ints in range (never a float or
     a bool), ``mem_fraction`` in (0, 1], ``prefix_cache`` a bool, a ``page_size`` that fits
     ``num_slots`` (``check_page_size``); and with ``prefix_cache=False``, none of the pools'
     options (``num_slots``, ``page_size``, ``num_snapshots``, ``snapshot_interval``) given
-    other than its default, as it would do nothing.
+    other than its default, as it would do nothing. ``kv_bits`` is None, 4 or 8 and
+    ``kv_group_size`` 32, 64 or 128 (``mlxcache.quant``).
 
+    >>> check_options(kv_bits=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: kv_bits=3 must be one of (4, 8) (or None: full precision)
     >>> check_options(prefix_cache="no")
     Traceback (most recent call last):
     ...
@@ -75,7 +89,10 @@ def check_options(*, num_slots: Any = None, page_size: Any = 1, mem_fraction: An
         prefill_batch_tokens=(None if prefill_batch_tokens is None
                               else check_int("prefill_batch_tokens", prefill_batch_tokens, 1)),
         prefix_cache=bool(prefix_cache),
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )
+    KVQuant(8 if kv_bits is None else kv_bits, kv_group_size)  # each checked, by name
     if not 0 < opts.mem_fraction <= 1:
         raise ValueError(f"mem_fraction={mem_fraction!r} must be in (0, 1]")
     if not isinstance(prefix_cache, bool | np.bool_):

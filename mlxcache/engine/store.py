@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache.cache import RaggedArraysCache, RaggedKVCache
+from mlxcache.cache import RaggedArraysCache, RaggedKVCache, kv_concat
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Job
 from mlxcache.engine.options import Options, check_page_size
@@ -129,7 +129,7 @@ class PrefixStore:
         self.stats = stats
         heads, head_dim, v_head_dim, dtype = support.kv
         self.pool = init_pool(len(self.layout.kv_leaves), num_slots, heads, head_dim, dtype,
-                              v_head_dim)
+                              v_head_dim, self.layout.kv_quant)
         self.slots = AllocatorSlots(init_allocator(num_slots))
         self.tree = RadixCache(opts.page_size, states=self.has_states)
         self.states = self.state_slots = None
@@ -148,7 +148,8 @@ class PrefixStore:
         layout = support.layout
         heads, head_dim, v_head_dim, dtype = support.kv
         n_kv = len(layout.kv_leaves)
-        per_slot = bytes_per_token_slot(n_kv, heads, head_dim, dtype, v_head_dim)
+        per_slot = bytes_per_token_slot(n_kv, heads, head_dim, dtype, v_head_dim,
+                                        layout.kv_quant)
         per_snapshot = sum(math.prod(x[0]) * x[1].size for leaf in layout.like
                            for x in leaf if x is not None)
         sizes = pool_sizes(per_slot=per_slot, per_snapshot=per_snapshot,
@@ -338,8 +339,8 @@ class PrefixStore:
             self.pool = set_kv_all_layers(
                 self.pool,
                 mx.array([s for _, j in new for s in j.pending], dtype=mx.int32),
-                [mx.concatenate([k for k, _ in layer], axis=2) for layer in rows],
-                [mx.concatenate([v for _, v in layer], axis=2) for layer in rows],
+                [kv_concat([k for k, _ in layer], axis=2) for layer in rows],
+                [kv_concat([v for _, v in layer], axis=2) for layer in rows],
             )
             mx.async_eval(self.pool)  # scheduled (in place); the tree work below overlaps it
         for job in jobs:
@@ -373,13 +374,10 @@ class PrefixStore:
                 if kept is not None:
                     self.state_slots.give([kept[1]])
                 return
-            rows = [c.row(row, start) for c in kv]
+            rows = [c.row(row, start, total) for c in kv]
             self.pool = set_kv_all_layers(
-                self.pool,
-                mx.array(new, dtype=mx.int32),
-                [k[:, :, : total - start] for k, _ in rows],
-                [v[:, :, : total - start] for _, v in rows],
-            )
+                self.pool, np.asarray(new, dtype=np.int32), [k for k, _ in rows],
+                [v for _, v in rows])
             mx.eval(self.pool)
             self.insert(seq[:total], job.tree_slots + new, start)
             if self.has_states and kept is None and total == ran:

@@ -37,7 +37,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.engine.forward import forward_padded, join_rows
-from mlxcache.layers import Layout, build, describe, leaves
+from mlxcache.layers import Layout, build, describe, leaves, model_caches
+from mlxcache.quant import KVQuant
 
 __all__ = ["Mode", "ReuseDisabledWarning", "Support"]
 
@@ -65,7 +66,9 @@ class Support:
     ``layout`` describes the model's caches (with each state array's shape once probed);
     ``kv`` is ``(n_kv_heads, head_dim, v_head_dim, dtype)`` of every attention layer's K/V
     (what the pool holds with reuse; the decode buffers are sized by it without), None when
-    the layers disagree or the model's caches are not the engine's.
+    the layers disagree or the model's caches are not the engine's. ``quant`` is the K/V
+    quantization asked for (``Engine(kv_bits=...)``): the layout's quantized leaves hold it,
+    and ``kept`` names each attention layer left in full precision, and why.
 
     >>> Support(Mode.SOLO, None, reuse=True)
     Traceback (most recent call last):
@@ -80,6 +83,8 @@ class Support:
     pads_exactly: bool = False
     kv: tuple | None = None
     notes: tuple[str, ...] = ()
+    quant: KVQuant | None = None
+    kept: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode is Mode.PLAIN and (self.reuse or self.has_states or self.pads_exactly):
@@ -99,24 +104,52 @@ class Support:
         """Many requests per forward."""
         return self.mode is Mode.BATCHED
 
-    @classmethod
-    def probe(cls, model: nn.Module, prefix_cache: bool = True) -> Support:
-        """Probe ``model`` (a few tiny forwards): its caches, whether the pool can hold its
-        K/V, whether padding and ragged batches are exact.
+    @property
+    def quantized(self) -> str:
+        """Which attention layers hold quantized K/V, in words (the engine's description).
 
         >>> from mlxcache.zoo import make_model
-        >>> Support.probe(make_model(), prefix_cache=False).reuse
+        >>> Support.probe(make_model()).quantized
+        'none (kv_bits=None)'
+        """
+        if self.quant is None or self.layout is None:
+            return "none (kv_bits=None)"
+        q = self.quant
+        n = sum(x is not None for x in self.layout.kv_quant)
+        head = (f"{n} of {len(self.layout.kv_leaves)} attention layers at {q.bits} bits, "
+                f"groups of {q.group_size}")
+        return head + "".join(f"; {line}" for line in self.kept)
+
+    @classmethod
+    def probe(cls, model: nn.Module, prefix_cache: bool = True,
+              quant: KVQuant | None = None) -> Support:
+        """Probe ``model`` (a few tiny forwards): its caches, whether the pool can hold its
+        K/V, which attention layers can hold it quantized as ``quant``, whether padding and
+        ragged batches are exact.
+
+        >>> from mlxcache.zoo import make
+        >>> Support.probe(make("llama"), prefix_cache=False).reuse
         False
+        >>> Support.probe(make("gemma3_text", head_dim=64), quant=KVQuant(8, 64)).quantized
+        '1 of 2 attention layers at 8 bits, groups of 64; layer 0: sliding window (8 tokens)'
+        >>> Support.probe(make("llama"), quant=KVQuant(8, 64))
+        Traceback (most recent call last):
+        ...
+        ValueError: kv_group_size=64 divides no attention layer's head size (16/16)
         """
         layout = describe(make_prompt_cache(model))
         if layout.unsupported:
-            return cls(Mode.PLAIN, layout, notes=(
+            return cls(Mode.PLAIN, layout, quant=quant, notes=(
                 f"model caches {list(layout.kinds)}: {list(layout.unsupported)} cannot be "
-                "restored from a prefix cache: no reuse, no batching",))
+                "restored from a prefix cache: no reuse, no batching",), kept=(
+                ("kv_bits: mlx-lm's own caches serve this model, none quantized",)
+                if quant is not None else ()))
         layout, kv, why = _probe_layout(model, layout)
-        notes = []
+        notes, kept = [], ()
         if prefix_cache and kv is None:
             notes.append(f"{why}: the pool cannot hold this model's K/V, no reuse")
+        if quant is not None:
+            layout, kept = _quantize(model, layout, kv, why, quant)
         part, whole = _padding(model, layout)
         mode = Mode.BATCHED
         if not whole:
@@ -130,7 +163,37 @@ class Support:
                 notes.append(f"ragged batches fail ({why}): serving one request per forward")
         reuse = prefix_cache and kv is not None
         return cls(mode, layout, reuse=reuse, has_states=bool(layout.state_leaves),
-                   pads_exactly=part, kv=kv, notes=tuple(notes))
+                   pads_exactly=part, kv=kv, notes=tuple(notes), quant=quant, kept=kept)
+
+
+def _quantize(model: nn.Module, layout: Layout, kv: tuple | None, why: str | None,
+              quant: KVQuant) -> tuple[Layout, tuple[str, ...]]:
+    """``layout`` with its attention layers quantized as ``quant`` where they can be, and the
+    lines naming those that cannot; ``ValueError`` if the group divides no head size. An
+    attention that refuses quantized K/V (mlx-lm's quantized attention takes no sinks) is
+    found by running the model: each such layer stays in full precision."""
+    if kv is None:
+        return layout, (f"kv_bits: {why}: no layer quantized",)
+    dims = (kv[1], kv[2])
+    full = [i for i in layout.kv_leaves if layout.leaves[i].kind == "kv"]
+    if full and not all(quant.fits(d) for d in dims):
+        raise ValueError(f"kv_group_size={quant.group_size} divides no attention layer's "
+                         f"head size ({'/'.join(map(str, dims))})")
+    quantized, kept = layout.quantized(quant, dims)
+    refused = [i for i in full if not _runs(model, layout.quantized(
+        quant, dims, skip=[j for j in full if j != i])[0])] if not _runs(model, quantized) else []
+    if refused:
+        quantized, kept = layout.quantized(quant, dims, skip=refused)
+    return quantized, kept
+
+
+def _runs(model: nn.Module, layout: Layout) -> bool:
+    """Whether two tokens run through the model with the engine's caches for ``layout``."""
+    try:
+        mx.eval(model(mx.array([[0, 0]]), cache=build(layout, 1)))
+    except ValueError:  # (mlx-lm: "Quantized SDPA does not support attention sinks.")
+        return False
+    return True
 
 
 def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:
@@ -165,7 +228,7 @@ def _probe_ragged_batch(model: nn.Module, layout: Layout, pads: bool) -> str | N
     prefixes, new = [[0], [0, 0, 0]], [[1, 2, 6], [3, 4]] if pads else [[1, 6], [3, 4]]
     solo = []
     for p, n in zip(prefixes, new, strict=True):
-        caches = make_prompt_cache(model)
+        caches = model_caches(model, layout)
         model(mx.array([p]), cache=caches)
         prefill = model(mx.array([n]), cache=caches)[:, -1]
         solo.append((prefill, model(mx.array([[5]]), cache=caches)[:, -1]))
