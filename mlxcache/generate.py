@@ -40,6 +40,8 @@ _FLAGS = {
     "num_slots": "--num-slots",
     "page_size": "--page-size",
     "mem_fraction": "--mem-fraction",
+    "kv_bits": "--kv-bits",
+    "kv_group_size": "--kv-group-size",
 }
 
 
@@ -57,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-slots", type=int, default=None, help="KV pool size (default: auto)")
     p.add_argument("--page-size", type=int, default=1, help="radix tree page size in tokens")
     p.add_argument("--mem-fraction", type=float, default=0.5, help="memory share for the pool")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the K/V to 4 or 8 bits (default: full precision)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="values per quantization group")
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt text as is")
     p.add_argument("--verbose", action="store_true", help="log the pool size and print stats")
     return p.parse_args(argv)
@@ -72,7 +77,8 @@ def check_flags(args: argparse.Namespace) -> None:
         check_int("max_tokens", args.max_tokens, 1)
         SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         check_options(num_slots=args.num_slots, page_size=args.page_size,
-                      mem_fraction=args.mem_fraction)
+                      mem_fraction=args.mem_fraction, kv_bits=args.kv_bits,
+                      kv_group_size=args.kv_group_size)
     except ValueError as e:
         name, _, rest = str(e).partition("=")
         raise _fail(f"{_FLAGS[name]}={rest}" if name in _FLAGS else str(e)) from None
@@ -102,6 +108,8 @@ def _serve(args: argparse.Namespace, model, tokenizer) -> None:
         num_slots=args.num_slots,
         page_size=args.page_size,
         mem_fraction=args.mem_fraction,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
     )
     eos = eos_token_ids(tokenizer)
     # Each prompt as one user message when the tokenizer has a chat template (the engine

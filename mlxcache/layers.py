@@ -18,6 +18,11 @@ the model's cache   the engine's                       what the prefix cache kee
 ``CacheList``       ``CacheList`` of the above         each member as above
 ==================  =================================  =====================================
 
+With ``Engine(kv_bits=...)`` a ``KVCache`` layer's ragged cache is a ``QuantizedRaggedKVCache``
+(its K/V as mlx-lm's ``QuantizedKVCache`` holds them, and so in the pool): ``Layout.quantized``
+marks those leaves, and ``model_caches`` gives mlx-lm's own caches of the same layout, the
+oracle a quantized engine is checked against.
+
 Memory of a sliding-window layer, and how it is bounded: its K/V sit in the token pool per
 token, like a full layer's (that is what lets a prefix of any length restore, past the window
 too), so the pool's bound is its fixed size (``num_slots``, from the memory budget), shared

@@ -35,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--num-snapshots", type=int, default=None)
     e.add_argument("--snapshot-interval", type=int, default=256)
+    e.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                   help="hold the attention layers' K/V quantized to 4 or 8 bits, batched and "
+                   "with prefix reuse (default: full precision)")
+    e.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128))
     e.add_argument("--cache-dir", default=None,
                    help="a directory for the prefix cache's disk tier: evicted prefixes "
                    "spill there, and a restarted server finds them (one server per directory)")
@@ -59,7 +63,8 @@ def build_engine(args: argparse.Namespace):
                   prefix_cache=not args.no_prefix_cache,
                   prefill_step_size=args.prefill_step_size,
                   num_snapshots=args.num_snapshots, snapshot_interval=args.snapshot_interval,
-                  cache_dir=args.cache_dir, disk_budget=int(args.disk_budget * (1 << 30)))
+                  cache_dir=args.cache_dir, disk_budget=int(args.disk_budget * (1 << 30)),
+                  kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
 
 
 def main(argv: list[str] | None = None) -> int:

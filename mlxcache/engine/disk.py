@@ -4,7 +4,8 @@ what memory holds waits while they are read back into the pool.
 
 Pages. The disk holds whole pages of ``page`` tokens (``DISK_PAGE_TOKENS``, rounded up to a
 multiple of the tree's page) from the start of a prompt: page ``i`` holds the K/V of every
-attention layer for tokens ``[i * page, (i + 1) * page)``, under the key chained from the
+attention layer for tokens ``[i * page, (i + 1) * page)`` as the pool holds them (a quantized
+layer's parts: a reload re-quantizes nothing), under the key chained from the
 salt through the tokens before it (``servecore.diskcache.keys``). A hybrid model's recurrent
 state at a page's end, when the tree held one there, is its own entry below that page
 (``state_key``): a reload stops at the deepest page with a state. A sliding-window layer's
@@ -24,8 +25,8 @@ cannot complete (pages gone meanwhile, the pool full of locked prefixes) is drop
 request is served from what memory holds, never from partial data.
 
 The salt (``salt_of``) covers the weights (a digest of every parameter's bytes), the model's
-config, the tokenizer, the pool's dtype and layout, the disk page, the format and the MLX
-version: another model, dtype or tokenizer on the same directory reads nothing.
+config, the tokenizer, the pool's dtype, quantization and layout, the disk page, the format
+and the MLX version: another model, dtype or tokenizer on the same directory reads nothing.
 """
 
 from __future__ import annotations

@@ -114,6 +114,8 @@ class Support:
         """
         if self.quant is None or self.layout is None:
             return "none (kv_bits=None)"
+        if not self.supported:
+            return "none: " + "; ".join(self.kept)
         q = self.quant
         n = sum(x is not None for x in self.layout.kv_quant)
         head = (f"{n} of {len(self.layout.kv_leaves)} attention layers at {q.bits} bits, "
@@ -142,7 +144,7 @@ class Support:
             return cls(Mode.PLAIN, layout, quant=quant, notes=(
                 f"model caches {list(layout.kinds)}: {list(layout.unsupported)} cannot be "
                 "restored from a prefix cache: no reuse, no batching",), kept=(
-                ("kv_bits: mlx-lm's own caches serve this model, none quantized",)
+                ("mlx-lm's own caches serve this model",)
                 if quant is not None else ()))
         layout, kv, why = _probe_layout(model, layout)
         notes, kept = [], ()
@@ -191,8 +193,8 @@ def _runs(model: nn.Module, layout: Layout) -> bool:
     """Whether two tokens run through the model with the engine's caches for ``layout``."""
     try:
         mx.eval(model(mx.array([[0, 0]]), cache=build(layout, 1)))
-    except ValueError:  # (mlx-lm: "Quantized SDPA does not support attention sinks.")
-        return False
+    except Exception:  # noqa: BLE001 - mlx-lm: "Quantized SDPA does not support attention
+        return False  # sinks."; an attention of its own (MLA) takes no quantized tuples
     return True
 
 

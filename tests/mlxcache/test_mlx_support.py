@@ -43,9 +43,21 @@ def test_every_family_the_issue_names_is_served_with_reuse_and_batching(measured
     by_family = {row[0]: row for row in measured}
     for family in ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "kimi_linear", "falcon_h1",
                    "gemma3_text", "gpt_oss", "llama"]:
-        assert by_family[family][2:] == ("yes", "yes"), by_family[family]
+        assert by_family[family][2:4] == ("yes", "yes"), by_family[family]
 
 
 def test_caches_without_a_ragged_form_are_named():
     layout = describe([KVCache(), ChunkedKVCache(8), QuantizedKVCache()])
     assert layout.unsupported == ("ChunkedKVCache", "QuantizedKVCache")
+
+
+def test_the_kv_bits_column_quantizes_what_mlx_lm_can(measured):
+    """Every full-attention layer of the families whose attention is mlx-lm's own (through
+    ``scaled_dot_product_attention``) is quantized; sliding windows, sinks (gpt-oss) and
+    attentions of their own (kimi_linear's MLA) are named."""
+    by_family = {row[0]: row[4] for row in measured}
+    for family in ["llama", "qwen3_next", "falcon_h1", "jamba"]:
+        assert by_family[family].startswith(("1 of 1", "2 of 2")), by_family[family]
+    assert "sliding window" in by_family["gemma3_text"]
+    assert "refuses quantized K/V" in by_family["gpt_oss"]
+    assert "refuses quantized K/V" in by_family["kimi_linear"]

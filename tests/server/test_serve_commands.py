@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -104,3 +105,66 @@ def test_a_restarted_mlxcache_server_finds_the_conversation_on_disk(tmp_path):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 256  # read back from disk
     assert second.choices[0].message.content == first.choices[0].message.content
+
+
+@pytest.mark.mlx
+def test_an_mlxcache_server_with_kv_bits_answers_as_mlx_lm_does(tmp_path):
+    """``python -m mlxcache.serve --kv-bits 8``: four chats sharing a system prompt, sent at
+    once with the ``openai`` client (one ragged batch), each answer equal to mlx-lm's greedy
+    text with a ``QuantizedKVCache`` of the same bits from token 0; a repeated chat reports
+    cached tokens (prefix reuse over quantized pages)."""
+    openai = pytest.importorskip("openai")
+    zoo = pytest.importorskip("mlxcache.zoo")
+    mx = pytest.importorskip("mlx.core")
+    import mlx_lm
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    zoo.save_checkpoint("llama", tmp_path / "model", head_dim=64)
+    system = {"role": "system", "content": " ".join(f"w{5 + i % 90}" for i in range(40))}
+    chats = [[system, {"role": "user", "content": " ".join(f"w{20 + i + j}"
+                                                           for j in range(i + 1))}]
+             for i in range(4)]
+    model, tok = mlx_lm.load(str(tmp_path / "model"))
+
+    def oracle(chat: list[dict]) -> str:
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+        cache = [QuantizedKVCache(group_size=32, bits=8) if type(c) is KVCache else c
+                 for c in make_prompt_cache(model)]
+        logits, out = model(mx.array([ids]), cache=cache), []
+        for _ in range(6):
+            out.append(mx.argmax(logits[0, -1]).item())
+            if out[-1] in tok.eos_token_ids:
+                out.pop()
+                break
+            logits = model(mx.array([out[-1:]]), cache=cache)
+        return tok.decode(out)
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mlxcache.serve", "--model", str(tmp_path / "model"),
+           "--port", str(port), "--num-slots", "1024", "--kv-bits", "8", "--kv-group-size",
+           "32", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def ask(chat: list[dict]):
+            return client.chat.completions.create(model="model", messages=chat, max_tokens=6,
+                                                  temperature=0)
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, chats))
+        assert [a.choices[0].message.content for a in answers] == [oracle(c) for c in chats]
+        again = ask(chats[0])
+        assert again.choices[0].message.content == answers[0].choices[0].message.content
+        assert again.usage.prompt_tokens_details.cached_tokens > 40
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(60) in (0, -15)
+            out = proc.stdout.read()
+            assert "Traceback" not in out, out
+        finally:
+            proc.kill()
