@@ -182,9 +182,6 @@ class RaggedKVCache:
         >>> k, v = c.update_and_fetch(mx.ones((3, 2, 1, 4)), mx.ones((3, 2, 1, 4)))
         >>> c.lengths, c.size()
         ([4, 4, 6], 6)
-        >>> c.remove_row(0)                              # the last row moves into row 0
-        >>> c.lengths
-        [6, 4]
     """
 
     step = 256
@@ -273,8 +270,7 @@ class RaggedKVCache:
 
     def _caps(self) -> tuple[int, int]:
         """``(row_capacity, capacity)`` of the buffers."""
-        shape = parts(self.keys)[0].shape
-        return shape[0], shape[2]
+        return parts(self.keys)[0].shape[0], parts(self.keys)[0].shape[2]
 
     def _grow(self, rows: int, tokens: int, like_k: Any, like_v: Any) -> None:
         """Room for ``rows`` rows (a power of two) of ``tokens`` tokens (``capacity``)."""
@@ -313,6 +309,7 @@ class RaggedKVCache:
             >>> c.lengths
             [3]
         """
+        keys, values = _as_arrays(self, self._form(keys)), _as_arrays(self, self._form(values))
         k0, v0 = parts(keys)[0], parts(values)[0]
         if k0.ndim != 4 or k0.shape[0] != 1 or v0.shape[:3] != k0.shape[:3]:
             raise ValueError(
@@ -412,8 +409,9 @@ class RaggedKVCache:
         """
         t = self.lengths[row] if end is None else end - self.starts[row]
         first = 0 if start is None else start - self.starts[row]
-        if first < 0:
-            raise ValueError(f"row {row} holds positions from {self.starts[row]}, not {start}")
+        if first < 0 or not first <= t <= self.lengths[row]:
+            raise ValueError(f"row {row} holds positions [{self.starts[row]}, {self.end(row)}),"
+                             f" not [{start}, {end})")
         index = (slice(row, row + 1), slice(None), slice(first, t))
         return kv_map(lambda a: a[index], self.keys), kv_map(lambda a: a[index], self.values)
 
@@ -524,6 +522,8 @@ class RaggedKVCache:
         """New keys or values as the buffers hold them (here: as they are)."""
         return x
 
+    _form = _stored  # a row's keys or values (``_as_arrays`` checks their form)
+
     @property
     def state(self) -> tuple[mx.array | None, mx.array | None]:
         """The whole buffers ``(keys, values)``, each ``(row_capacity, H, capacity, D)`` (None
@@ -604,6 +604,24 @@ class QuantizedRaggedKVCache(RaggedKVCache):
     def _stored(self, x: mx.array) -> Any:
         """New keys or values, quantized."""
         return self.quant.quantize(x)
+
+    def _form(self, x: Any) -> Any:
+        """A row's keys or values as parts (float ones are quantized)."""
+        if isinstance(x, mx.array):
+            return self.quant.quantize(x)
+        if len(x) != 3:
+            raise ValueError(f"quantized K/V are 3 parts (codes, scales, biases), got {len(x)}")
+        return tuple(x)
+
+
+def _as_arrays(cache: RaggedKVCache, x: Any) -> Any:
+    """``x`` if it has the form ``cache`` holds (arrays, or the parts of quantized K/V), else
+    ``ValueError`` naming both."""
+    quantized = isinstance(cache, QuantizedRaggedKVCache)
+    if isinstance(x, mx.array) == quantized:
+        raise ValueError(f"{type(cache).__name__} holds K/V "
+                         f"{'parts' if quantized else 'arrays'}, got {type(x).__name__}")
+    return x
 
 
 def _new(quant: KVQuant | None, num_rows: int, window: int | None) -> RaggedKVCache:

@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-slots", type=int, default=None, help="KV pool size (default: auto)")
     p.add_argument("--page-size", type=int, default=1, help="radix tree page size in tokens")
     p.add_argument("--mem-fraction", type=float, default=0.5, help="memory share for the pool")
-    p.add_argument("--kv-bits", type=int, default=None,
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                    help="quantize the K/V to 4 or 8 bits (default: full precision)")
-    p.add_argument("--kv-group-size", type=int, default=64, help="values per quantization group")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
+                   help="values per quantization group")
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt text as is")
     p.add_argument("--verbose", action="store_true", help="log the pool size and print stats")
     return p.parse_args(argv)

@@ -49,7 +49,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -144,12 +144,13 @@ class Layout:
                 return layer
         raise ValueError(f"leaf={leaf} must be in [0, {n})")
 
-    def quantized(self, quant: KVQuant, dims: Sequence[int], skip: Sequence[int] = ()
+    def quantized(self, quant: KVQuant, dims: Sequence[int],
+                  skip: Sequence[int] | Mapping[int, str] = ()
                   ) -> tuple[Layout, tuple[str, ...]]:
         """This layout with every full-attention cache quantized as ``quant`` (what mlx-lm's
-        ``QuantizedKVCache`` can stand for), except leaves ``skip``; and a line for each
-        attention layer left in full precision, and why. ``dims``: the head sizes of keys
-        and values (the group must divide them).
+        ``QuantizedKVCache`` can stand for), except leaves ``skip`` (with what their model
+        raised, when a mapping); and a line for each attention layer left in full precision,
+        and why. ``dims``: the head sizes of keys and values (the group must divide them).
 
         Examples:
             >>> from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -170,13 +171,14 @@ class Layout:
                 kept.append(f"layer {layer}: head size {'/'.join(map(str, sorted(set(dims))))} "
                             f"(kv_group_size={quant.group_size} does not divide it)")
             elif i in skip:
-                kept.append(f"layer {layer}: its attention refuses quantized K/V")
+                raised = f" ({skip[i]})" if isinstance(skip, Mapping) else ""
+                kept.append(f"layer {layer}: its attention refuses quantized K/V{raised}")
             else:
                 flat[i] = replace(leaf, quant=quant)
         it = iter(flat)
         entries = tuple(tuple(next(it) for _ in e) if isinstance(e, tuple) else next(it)
                         for e in self.entries)
-        return Layout(entries, self.unsupported, self.kinds, self.like), tuple(kept)
+        return replace(self, entries=entries), tuple(kept)
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -78,7 +78,7 @@ class KVPool(NamedTuple):
     ``mx.compile`` and ``mx.eval`` as a tree. Build one with ``init_pool``; change it
     only through ``set_kv`` / ``set_kv_all_layers``, which return a new pool.
 
-    A quantized layer (``quant[layer]`` a ``KVQuant``: ``Engine(kv_bits=...)``) holds its keys
+    A quantized layer (``layer_quant(layer)`` a ``KVQuant``: ``Engine(kv_bits=...)``) holds its keys
     and its values as the three parts of ``mx.quantize`` (``mlxcache.quant``), each
     ``[num_slots, n_kv_heads, width]``: codes, scales, biases. The functions below take and
     give those tuples for it (or quantize a float array written to it).
@@ -86,7 +86,8 @@ class KVPool(NamedTuple):
     Attributes:
         keys: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]`` (or parts).
         values: ``num_layers`` arrays ``[num_slots, n_kv_heads, head_dim]`` (or parts).
-        quant: per layer, its ``KVQuant`` or None (empty: no layer is quantized).
+        quant: per layer, its ``(bits, group_size)`` or None (empty: no layer is quantized;
+            plain ints, so a pool passes through ``mx.compile``): ``layer_quant``.
 
     Examples:
         >>> pool = init_pool(num_layers=2, num_slots=8, n_kv_heads=4, head_dim=16)
@@ -101,11 +102,12 @@ class KVPool(NamedTuple):
 
     keys: tuple[mx.array | tuple[mx.array, ...], ...]
     values: tuple[mx.array | tuple[mx.array, ...], ...]
-    quant: tuple[KVQuant | None, ...] = ()
+    quant: tuple[tuple[int, int] | None, ...] = ()
 
     def layer_quant(self, layer: int) -> KVQuant | None:
         """``layer``'s quantization (None: full precision)."""
-        return self.quant[layer] if self.quant else None
+        q = self.quant[layer] if self.quant else None
+        return None if q is None else KVQuant(*q)
 
     @property
     def num_layers(self) -> int:
@@ -151,7 +153,8 @@ class KVPool(NamedTuple):
     def bytes_per_slot(self) -> int:
         """Bytes one token slot takes across all layers, keys and values."""
         return bytes_per_token_slot(self.num_layers, self.n_kv_heads, self.head_dim, self.dtype,
-                                    self.v_head_dim, self.quant or None)
+                                    self.v_head_dim,
+                                    [self.layer_quant(i) for i in range(self.num_layers)])
 
 
 def bytes_per_token_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype,
@@ -225,7 +228,8 @@ def init_pool(
     layers = quant or (None,) * num_layers
     return KVPool(keys=tuple(zeros(q, head_dim) for q in layers),
                   values=tuple(zeros(q, v_head_dim) for q in layers),
-                  quant=quant if any(q is not None for q in quant) else ())
+                  quant=(tuple(None if q is None else (q.bits, q.group_size) for q in quant)
+                         if any(q is not None for q in quant) else ()))
 
 
 def _check_num_slots(num_slots: int) -> int:
@@ -296,7 +300,7 @@ def _as_rows(pool: KVPool, layer: int, name: str, x: Any, num_tokens: int) -> An
     q = pool.layer_quant(layer)
     dst = (pool.values if name[0] == "v" else pool.keys)[layer]
     if q is not None and isinstance(x, mx.array):
-        x = q.quantize(_tokens_first(x))
+        x = q.quantize(_tokens_first(x).astype(pool.dtype))  # as the model's own dtype would
     if isinstance(x, mx.array) != isinstance(dst, mx.array) or len(parts(x)) != len(parts(dst)):
         want = ("an array" if isinstance(dst, mx.array)
                 else f"the {len(parts(dst))} parts of a quantized K/V")
@@ -442,7 +446,7 @@ def _run_start(slots: mx.array | np.ndarray | Sequence[int]) -> int | None:
 
 def get_kv(
     pool: KVPool, layer: int, slots: mx.array | np.ndarray | Sequence[int]
-) -> tuple[mx.array, mx.array]:
+) -> tuple[Any, Any]:
     """Keys and values of ``layer`` at ``slots``, each ``[T, n_kv_heads, head_dim]`` (a
     quantized layer's: its parts, each ``[T, n_kv_heads, width]``).
 

@@ -130,8 +130,9 @@ def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> st
     return salt({"weights": weights, "config": json.loads(json.dumps(config, default=_plain)),
                  "model": f"{type(model).__module__}.{type(model).__name__}",
                  "tokenizer": _tokenizer_digest(tokenizer), "kv": [str(x) for x in support.kv],
-                 "quant": [None if q is None else [q.bits, q.group_size]
-                           for q in support.layout.kv_quant],
+                 **({"quant": [None if q is None else [q.bits, q.group_size]
+                               for q in support.layout.kv_quant]}
+                    if any(support.layout.kv_quant) else {}),
                  "layout": [str(k) for k in support.layout.kinds],
                  "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
                  "page": page, "mlx": mx.__version__})

@@ -93,9 +93,8 @@ class Engine:
         kv_bits: 4 or 8: the pool and the decode buffers hold the attention layers' K/V
             quantized as mlx-lm's ``QuantizedKVCache`` of these bits and ``kv_group_size``
             (``mlxcache.quant``), mlx-lm's attention runs its quantized path, batched, and
-            a prefix hit reads the bytes a miss writes. Sliding-window layers, and those
-            whose head size the group does not divide or whose attention refuses quantized
-            K/V (sinks), stay in full precision, named by ``Engine.quantized``.
+            a prefix hit reads the bytes a miss writes. Sliding-window layers and attentions
+            refusing quantized K/V (sinks) stay in full precision (``Engine.quantized``).
 
     Scheduling, for time to first token: a round that admitted a prefill batch does not
     decode while admissible requests still wait (prefill first, as SGLang schedules), and
@@ -204,8 +203,9 @@ class Engine:
             raise
         for note in self.support.notes:
             warnings.warn(f"mlxcache: {note}", ReuseDisabledWarning, stacklevel=2)
-        for line in unused_options(self.options, reuse=self.support.reuse,
-                                   has_states=self.support.has_states):
+        s = self.support
+        for line in unused_options(self.options, reuse=s.reuse, has_states=s.has_states,
+                                   quantized=s.num_quantized):
             warnings.warn(f"mlxcache: {line}", UnusedOptionWarning, stacklevel=2)
         self.streams = Streams(
             ThreadedCore(self.core, owner),

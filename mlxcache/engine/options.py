@@ -130,13 +130,16 @@ more num_slots
                          "num_slots")
 
 
-def unused_options(opts: Options, *, reuse: bool, has_states: bool) -> list[str]:
+def unused_options(opts: Options, *, reuse: bool, has_states: bool,
+                   quantized: int | None = None) -> list[str]:
     """What ``opts`` gives (other than its default) that does nothing for a model that the
     engine serves with or without prefix ``reuse`` and with or without recurrent layers
     (``has_states``), one line each: the snapshot options without recurrent layers, and the
     pools' options without reuse (a model served one request per forward with mlx-lm's own
     caches). The engine warns of each (``UnusedOptionWarning``); with ``prefix_cache=False``
-    they are refused (``check_options``), as the caller chose that mode.
+    they are refused (``check_options``), as the caller chose that mode. ``kv_bits`` when
+    ``quantized`` (the layers it quantized) is 0, and ``kv_group_size`` without ``kv_bits``,
+    do nothing either.
 
     >>> opts = check_options(num_slots=64, snapshot_interval=8)
     >>> unused_options(opts, reuse=True, has_states=True)
@@ -155,4 +158,9 @@ def unused_options(opts: Options, *, reuse: bool, has_states: bool) -> list[str]
             why = ("the model is served without prefix reuse" if not reuse
                    else "the model has no recurrent layers to snapshot")
             out.append(f"{name}={value!r} does nothing: {why}")
+    if opts.kv_bits is None and opts.kv_group_size != defaults.kv_group_size:
+        out.append(f"kv_group_size={opts.kv_group_size!r} does nothing without kv_bits")
+    if opts.kv_bits is not None and quantized == 0:
+        out.append(f"kv_bits={opts.kv_bits!r} does nothing: no attention layer of the model "
+                   "can hold quantized K/V (Engine.quantized says why)")
     return out

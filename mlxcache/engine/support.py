@@ -105,6 +105,14 @@ class Support:
         return self.mode is Mode.BATCHED
 
     @property
+    def num_quantized(self) -> int | None:
+        """Attention layers holding quantized K/V (None: ``kv_bits`` not asked for)."""
+        if self.quant is None:
+            return None
+        return 0 if self.layout is None or not self.supported else sum(
+            q is not None for q in self.layout.kv_quant)
+
+    @property
     def quantized(self) -> str:
         """Which attention layers hold quantized K/V, in words (the engine's description).
 
@@ -117,9 +125,9 @@ class Support:
         if not self.supported:
             return "none: " + "; ".join(self.kept)
         q = self.quant
-        n = sum(x is not None for x in self.layout.kv_quant)
-        head = (f"{n} of {len(self.layout.kv_leaves)} attention layers at {q.bits} bits, "
-                f"groups of {q.group_size}")
+        n, of = sum(x is not None for x in self.layout.kv_quant), len(self.layout.kv_leaves)
+        head = (f"{n} of {of} attention layer{'s' * (of != 1)} at {q.bits} bits, groups of "
+                f"{q.group_size}")
         return head + "".join(f"; {line}" for line in self.kept)
 
     @classmethod
@@ -137,7 +145,8 @@ class Support:
         >>> Support.probe(make("llama"), quant=KVQuant(8, 64))
         Traceback (most recent call last):
         ...
-        ValueError: kv_group_size=64 divides no attention layer's head size (16/16)
+        ValueError: kv_group_size=64 divides no attention layer's key and value head sizes \
+(16 and 16)
         """
         layout = describe(make_prompt_cache(model))
         if layout.unsupported:
@@ -178,24 +187,26 @@ def _quantize(model: nn.Module, layout: Layout, kv: tuple | None, why: str | Non
         return layout, (f"kv_bits: {why}: no layer quantized",)
     dims = (kv[1], kv[2])
     full = [i for i in layout.kv_leaves if layout.leaves[i].kind == "kv"]
-    if full and not all(quant.fits(d) for d in dims):
+    if full and not all(quant.fits(d) for d in dims):  # (one pool: every layer's shape)
         raise ValueError(f"kv_group_size={quant.group_size} divides no attention layer's "
-                         f"head size ({'/'.join(map(str, dims))})")
+                         f"key and value head sizes ({dims[0]} and {dims[1]})")
     quantized, kept = layout.quantized(quant, dims)
-    refused = [i for i in full if not _runs(model, layout.quantized(
-        quant, dims, skip=[j for j in full if j != i])[0])] if not _runs(model, quantized) else []
-    if refused:
-        quantized, kept = layout.quantized(quant, dims, skip=refused)
-    return quantized, kept
+    if _refusal(model, quantized) is None:
+        return quantized, kept
+    why = {i: _refusal(model, layout.quantized(quant, dims, skip=[j for j in full if j != i])[0])
+           for i in full}  # each layer alone: those whose attention takes no quantized K/V
+    return layout.quantized(quant, dims, skip={i: w for i, w in why.items() if w})
 
 
-def _runs(model: nn.Module, layout: Layout) -> bool:
-    """Whether two tokens run through the model with the engine's caches for ``layout``."""
+def _refusal(model: nn.Module, layout: Layout) -> str | None:
+    """None if two tokens run through the model with the engine's caches for ``layout``,
+    else what the model raised (mlx-lm: "Quantized SDPA does not support attention sinks.";
+    an attention of the model's own, as MLA, takes no quantized tuples)."""
     try:
         mx.eval(model(mx.array([[0, 0]]), cache=build(layout, 1)))
-    except Exception:  # noqa: BLE001 - mlx-lm: "Quantized SDPA does not support attention
-        return False  # sinks."; an attention of its own (MLA) takes no quantized tuples
-    return True
+    except Exception as e:  # noqa: BLE001 - named in the layer's line, never swallowed
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _probe_layout(model: nn.Module, layout: Layout) -> tuple[Layout, tuple | None, str | None]:

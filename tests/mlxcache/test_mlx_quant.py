@@ -86,11 +86,31 @@ def test_cold_full_hit_and_a_second_turn(family):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_concurrent_requests_of_different_lengths_sharing_a_prefix(family, bits):
+    """Rows of different lengths in one batch, leaving it at different steps (each leave
+    moves the last row into its place and shrinks the buffers)."""
     e = engine(family, bits)
     shared = tokens(3, 24)
     prompts = [shared + tokens(10 + i, 2 + 3 * i) for i in range(4)] + [tokens(20, 11)]
-    assert e.generate(prompts, max_tokens=MAX) == [oracle(family, p, bits) for p in prompts]
+    most = [3, 9, 1, 12, 5]
+    assert e.generate(prompts, max_tokens=most) == [oracle(family, p, bits, n)
+                                                    for p, n in zip(prompts, most, strict=True)]
     assert e.stats.hit_rate > 0 and e.tree.protected_size == 0
+
+
+@pytest.mark.parametrize("kw", [dict(page_size=4), dict(prefill_step_size=8),
+                                dict(prefix_cache=False)])
+def test_pages_chunks_and_no_reuse(kw):
+    """Pages of several tokens, a prompt prefilled in chunks, no prefix cache at all: the
+    same tokens as mlx-lm's."""
+    opts = dict(kv_bits=8, kv_group_size=32, max_batch_size=4, **kw)
+    if kw.get("prefix_cache") is not False:
+        opts["num_slots"] = 512
+    e = Engine(model_of("qwen3_next"), **opts)
+    shared = tokens(30, 21)
+    prompts = [shared + tokens(31 + i, 3 + i) for i in range(3)]
+    for _ in range(2):  # the second round hits what the first cached
+        assert e.generate(prompts, max_tokens=MAX) == [oracle("qwen3_next", p, 8)
+                                                       for p in prompts]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -112,7 +132,8 @@ def test_which_layers_are_quantized_is_said():
         "1 of 2 attention layers at 4 bits, groups of 32; layer 0: sliding window (8 tokens)")
     e = engine("gpt_oss", 8)
     assert e.quantized.startswith("0 of 2 attention layers"), e.quantized
-    assert "layer 1: its attention refuses quantized K/V" in e.quantized
+    assert "layer 1: its attention refuses quantized K/V (ValueError: Quantized SDPA does " \
+        "not support attention sinks.)" in e.quantized
     p = tokens(5, 20)
     assert e.generate([p], max_tokens=MAX) == [zoo.reference_generate(model_of("gpt_oss"), p,
                                                                       MAX)]
@@ -144,13 +165,34 @@ def test_an_automatic_pool_holds_more_tokens_in_the_same_memory(monkeypatch):
     assert 1.8 < slots[8] / slots[None] < 2.0 and 3.4 < slots[4] / slots[None] < 3.7, slots
 
 
+def test_a_quantized_pool_passes_through_mx_compile():
+    from mlxcache.pool import get_kv, init_pool, set_kv
+    from mlxcache.quant import KVQuant
+
+    pool = init_pool(1, 8, 2, 64, mx.float16, quant=[KVQuant(8, 64)])
+    k = mx.random.normal((3, 2, 64)).astype(mx.float16)
+    slots = mx.array([1, 2, 3])
+    write = mx.compile(lambda p, k: set_kv(p, 0, slots, k, k))
+    got, want = get_kv(write(pool, k), 0, slots)[0], KVQuant(8, 64).quantize(k)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+
+
+def test_kv_bits_that_quantize_nothing_say_so():
+    with pytest.warns(UserWarning, match="kv_bits=8 does nothing: no attention layer"):
+        Engine(zoo.make("gpt_oss", head_dim=64), num_slots=64, kv_bits=8)
+    with pytest.warns(UserWarning, match="kv_group_size=32 does nothing without kv_bits"):
+        Engine(model_of("llama"), num_slots=64, kv_group_size=32)
+
+
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="kv_bits=3 must be one of"):
         Engine(model_of("llama"), num_slots=64, kv_bits=3)
+    with pytest.raises(ValueError, match=r"kv_bits=8.0 must be one of"):
+        Engine(model_of("llama"), num_slots=64, kv_bits=8.0)
     with pytest.raises(ValueError, match="kv_group_size=48 must be one of"):
         Engine(model_of("llama"), num_slots=64, kv_bits=8, kv_group_size=48)
     with pytest.raises(ValueError, match=r"kv_group_size=32 divides no attention layer's "
-                                         r"head size \(16/16\)"):
+                                         r"key and value head sizes \(16 and 16\)"):
         Engine(zoo.make("llama"), num_slots=64, kv_bits=8, kv_group_size=32)
 
 
