@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", ["mlxcache.bench.chat_workloads", "mlxcache.bench.processes",
-                                  "mlxcache.bench.server"])
+                                  "mlxcache.bench.server", "mlxcache.bench.quant"])
 def test_the_server_bench_modules_examples_run(name):
     # the bench is a program, not in tests/test_api_docs' API lists: its examples run here
     result = doctest.testmod(importlib.import_module(name))
@@ -91,3 +91,39 @@ def test_the_quick_restart_bench_reads_the_prefix_back_and_agrees(tmp_path):
     assert "restart benchmark (--quick)" in proc.stdout and "llama" in proc.stdout
     m = json.loads(out.read_text())["models"]["llama"]
     assert m["agree"] and m["disk_cached_tokens"] == 1024 and m["bytes_per_token"] > 0
+
+
+def test_the_quick_quant_bench_holds_more_tokens_at_fewer_bits_and_agrees(tmp_path):
+    """``python -m mlxcache.bench quant --quick``: under one pool budget 8 and 4 bits hold more
+    tokens than full precision and hit where it cannot; mlxcache's greedy tokens equal
+    mlx-lm's ``generate_step`` with a ``QuantizedKVCache`` from token 0 at every setting, and
+    ``generate_step(kv_bits=...)``'s at full precision (quantized, it prefills in full
+    precision first: counted, not required)."""
+    out = tmp_path / "quant.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "mlxcache.bench", "quant", "--quick",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quantized K/V benchmark (--quick)" in proc.stdout, proc.stdout
+    r = json.loads(out.read_text())
+    budget = {row["bits"]: row for row in r["budget"]["rows"]}
+    decode = {row["bits"]: row for row in r["decode"]["rows"]}
+    assert set(budget) == set(decode) == {None, 8, 4}
+    full = budget[None]
+    assert full["pool_bytes"] <= r["budget"]["budget_bytes"] < 2 * full["pool_bytes"]
+    assert full["pool_tokens"] < r["budget"]["distinct_prefix_tokens"]
+    for bits in (8, 4):
+        row = budget[bits]
+        assert row["bytes_per_token"] < full["bytes_per_token"], row
+        assert row["pool_tokens"] > full["pool_tokens"], row
+        assert row["pool_bytes"] <= r["budget"]["budget_bytes"], row
+        assert row["hit_rate"] > full["hit_rate"] and row["speedup"] > 0, row
+        assert "attention layers at" in decode[bits]["quantized"], decode[bits]
+    for bits, row in decode.items():
+        assert row["agree_from_token_0"] == row["requests"] == r["decode"]["batch"], row
+        assert 0 <= row["agree_kv_bits"] <= row["requests"], row
+        assert row["mlxcache_tok_s"] > 0 and row["mlx_lm_tok_s"] > 0, row
+        assert budget[bits]["same_tokens_as_no_reuse"], budget[bits]
+    assert decode[None]["agree_kv_bits"] == decode[None]["requests"]
