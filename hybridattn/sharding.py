@@ -73,7 +73,7 @@ from hybridattn.models.kimi_linear.partitioning import (
     param_specs,
     stacked_param_specs,
 )
-from hybridattn.pools import alloc_reqs, claim_reqs
+from hybridattn.pools import alloc_reqs, claim_reqs, free
 
 __all__ = [
     "MeshComm",
@@ -407,16 +407,95 @@ class ShardedStep:
 
         return self._map(fn, state, rows, key=("claim", width))
 
-    def release(self, state, rows_per_shard: Sequence[Sequence[int]]):
-        """Free the given local rows (and their token and state slots) on each data shard."""
+    def release(self, state, rows_per_shard: Sequence[Sequence[int]],
+                keep_from: Sequence[Sequence[int]] | None = None,
+                snapshot_slots: Sequence[Sequence[int]] | None = None):
+        """Free the given local rows (and their token and state slots) on each data shard;
+        with a prefix cache, ``keep_from`` and ``snapshot_slots`` per row as
+        ``serving.release`` takes them (the positions the cache keeps, the snapshot of the
+        end)."""
+        width = _width(rows_per_shard)
+        rows = _padded(rows_per_shard, width, 0)
+        if keep_from is None:
 
-        width = max(max((len(r) for r in rows_per_shard), default=1), 1)
-        rows = np.zeros((self.data, width), np.int32)
-        for k, r in enumerate(rows_per_shard):
-            rows[k, : len(r)] = r
+            def fn(local, r):
+                return serving.release(local, r), r
 
-        def fn(local, r):
-            return serving.release(local, r), r
+            new, _ = self._map(fn, state, rows, key=("release", width))
+            return new
+        keep = _padded(keep_from, width, np.iinfo(np.int32).max)
+        snaps = _padded(snapshot_slots, width, 0)
 
-        new, _ = self._map(fn, state, rows, key=("release", width))
+        def keeping(local, r, k, s):
+            return serving.release(local, r, keep_from=k, snapshot_slots=s), r
+
+        new, _ = self._map(keeping, state, rows, keep, snaps, key=("release-keep", width))
         return new
+
+    def admit(self, state, rows_per_shard: Sequence[Sequence[int]],
+              slots_per_row: Sequence[Sequence[Sequence[int]]],
+              computed: Sequence[Sequence[int]], kv_width: int):
+        """Claim the named local rows on each data shard, each borrowing a cached prefix
+        (``slots_per_row[k][i]``, padded to ``kv_width``) and recording ``computed`` tokens
+        of state (a prefix cache hit): ``(state, ok [D])`` as ``claim_rows``."""
+        width = _width(rows_per_shard)
+        rows = _padded(rows_per_shard, width, 0)
+        lens = _padded([[len(x) for x in per] for per in slots_per_row], width, 0)
+        slots = _slot_table(slots_per_row, width, kv_width)
+        done = _padded(computed, width, 0)
+
+        def fn(local, r, n, ss, c):
+            pool, ok = claim_reqs(local.req_to_token_pool, r)
+            local = serving.borrow_prefix(local.replace(req_to_token_pool=pool), r, n, ss, c)
+            return local, ok
+
+        return self._map(fn, state, rows, lens, slots, done, key=("admit", width, kv_width))
+
+    def borrow(self, state, rows_per_shard: Sequence[Sequence[int]],
+               slots_per_row: Sequence[Sequence[Sequence[int]]], kv_width: int):
+        """Point each named row's first positions at a prefix cache's token slots
+        (``serving.borrow_prefix``), on each data shard."""
+        width = _width(rows_per_shard)
+        rows = _padded(rows_per_shard, width, 0)
+        lens = _padded([[len(x) for x in per] for per in slots_per_row], width, 0)
+        slots = _slot_table(slots_per_row, width, kv_width)
+
+        def fn(local, r, n, ss):
+            return serving.borrow_prefix(local, r, n, ss), r
+
+        new, _ = self._map(fn, state, rows, lens, slots, key=("borrow", width, kv_width))
+        return new
+
+    def free_tokens(self, state, slots_per_shard: Sequence[Sequence[int]]):
+        """Give the named token slots back to each data shard's allocator (slots a prefix
+        cache evicted; 0 is the sink and ignored)."""
+        width = 1 << max(_width(slots_per_shard) - 1, 0).bit_length()  # a compile per 2^k
+        slots = _padded(slots_per_shard, width, 0)
+
+        def fn(local, ss):
+            return local.replace(token_allocator=free(local.token_allocator, ss)), ss
+
+        new, _ = self._map(fn, state, slots, key=("free", width))
+        return new
+
+
+def _width(lists: Sequence[Sequence[Any]]) -> int:
+    return max(max((len(x) for x in lists), default=1), 1)
+
+
+def _padded(lists: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
+    """``[D, width]`` int32: ``lists[k]`` then ``fill``."""
+    out = np.full((len(lists), width), fill, np.int32)
+    for k, x in enumerate(lists):
+        out[k, : len(x)] = x
+    return out
+
+
+def _slot_table(slots_per_row: Sequence[Sequence[Sequence[int]]], width: int,
+                kv_width: int) -> np.ndarray:
+    """``[D, width, kv_width]`` int32 of each shard's rows' token slots (0: padding)."""
+    out = np.zeros((len(slots_per_row), width, kv_width), np.int32)
+    for k, per in enumerate(slots_per_row):
+        for i, x in enumerate(per):
+            out[k, i, : len(x)] = x
+    return out

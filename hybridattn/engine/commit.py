@@ -205,6 +205,9 @@ class StatsClock:
             s.requests += 1
             s.prompt_tokens += len(r.prompt)
             s.cached_tokens += r.start
+            if s.shard_prompt_tokens:  # (under a mesh: one entry per data shard)
+                s.shard_prompt_tokens[r.shard] += len(r.prompt)
+                s.shard_cached_tokens[r.shard] += r.start
             s.add_ttft(ready - r.arrival)
 
     def host_time(self, run: Run, prefill: bool, t_wait: float, now: float,

@@ -212,7 +212,9 @@ class Core:
         self.stats = EngineStats(num_compilations=s.num_compilations,
                                  compile_seconds=s.compile_seconds, buckets=s.buckets,
                                  compiled_buckets=s.compiled_buckets,
-                                 bucket_compile_seconds=s.bucket_compile_seconds)
+                                 bucket_compile_seconds=s.bucket_compile_seconds,
+                                 shard_prompt_tokens=[0] * len(s.shard_prompt_tokens),
+                                 shard_cached_tokens=[0] * len(s.shard_cached_tokens))
         self.runner.stats = self.clock.stats = self.stats
 
     # -------------------------------------------------------------------- rounds ----
@@ -439,12 +441,17 @@ def build_core(config: KimiLinearConfig, params: Any, opts: EngineOptions) -> Co
                               snapshot_interval=opts.snapshot_interval,
                               snapshot_buckets=buckets.snapshot, **common)
     else:
-        scheduler = ShardedScheduler(D, capacity=sizes.shard_capacity, **common)
+        scheduler = ShardedScheduler(D, capacity=sizes.shard_capacity,
+                                     num_snapshot_slots=sizes.num_snapshot_slots // D,
+                                     snapshot_interval=opts.snapshot_interval,
+                                     snapshot_buckets=buckets.snapshot, **common)
     runner = Runner(config, params, state, max_context_len=opts.max_context_len,
                     max_running_requests=sizes.rows, num_data_shards=D,
                     request_buckets=buckets.request, kv_buckets=buckets.kv,
                     chunk_size=opts.chunk_size, decode_steps=opts.decode_steps,
-                    prefix_cache=sizes.num_snapshot_slots > 0, stats=EngineStats(),
+                    prefix_cache=sizes.num_snapshot_slots > 0,
+                    stats=EngineStats(shard_prompt_tokens=[0] * D if mesh is not None else [],
+                                      shard_cached_tokens=[0] * D if mesh is not None else []),
                     sharded=sharded, shard_token_slots=sizes.shard_capacity + 1,
                     memory=memory)
     return Core(scheduler, runner, overlap=opts.overlap, memory=memory,

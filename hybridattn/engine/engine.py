@@ -95,8 +95,8 @@ class Engine:
         seed: the base sampling key (``ServingState.create``).
         prefix_cache: reuse cached prefixes (a radix tree over the token slots, with exact
             KDA state snapshots; see ``hybridattn.engine.prefix_cache``). False re-prefills every
-            prompt from token 0. Default: on, but off under a ``mesh``, where it is not
-            supported (``prefix_cache=True`` with a mesh raises ``ValueError``).
+            prompt from token 0. Default: on (under a ``mesh``, a tree per data shard, and
+            requests routed to the shard holding their prefix: ``ShardedScheduler``).
         snapshot_interval: the snapshot grid along every prefill, a positive multiple of
             ``chunk_size`` (default: the multiple of it nearest 256, at least one chunk).
         num_snapshot_slots: snapshot slots (the sink included); default: one per grid
@@ -309,9 +309,8 @@ class Engine:
     params = delegate("core.runner.params",
                       "The parameters in the engine's layout (stacked, placed).")
     stats = delegate("core.stats", "``EngineStats``: throughput, TTFT, compilations and buckets.")
-    tree = delegate("scheduler.tree",
-                    "The prefix cache's radix tree (``servecore.radix.RadixCache``; None "
-                    "without a cache). Read it (``tree.pretty()``); do not modify it.")
+    tree = delegate("scheduler.tree", "The prefix cache's radix tree (``servecore.radix."
+                    "RadixCache``; under a mesh one per data shard; None without a cache).")
     num_running = delegate("scheduler.num_running",
                            "Admitted requests (holding a row and their token-slot reservation).")
     num_waiting = delegate("scheduler.num_waiting", "Queued requests not admitted yet.")

@@ -109,7 +109,7 @@ class EngineOptions:
             L = min(config.model_max_length or 4096, 4096)
         check_int("max_context_len", L, 1)
         D = self._check_mesh(config)
-        prefix_cache = self.mesh is None if self.prefix_cache is None else self.prefix_cache
+        prefix_cache = True if self.prefix_cache is None else self.prefix_cache
         R = self.max_running_requests
         if R is None:
             R = default_max_running_requests(L)
@@ -150,8 +150,7 @@ class EngineOptions:
         chosen (and the option that chose it): the prefix cache's options without a prefix
         cache, ``overlap=True`` or several ``decode_steps`` under a mesh (it steps one at a
         time, synchronously). Defaults never trip it: only values that were given."""
-        why = ("prefix_cache=False" if self.mesh is None or self.prefix_cache is False
-               else "a mesh (no prefix cache)")
+        why = "prefix_cache=False"
         for name in ("snapshot_interval", "num_snapshot_slots", "snapshot_buckets"):
             if not prefix_cache and getattr(self, name) is not None:
                 raise ValueError(f"{name}={getattr(self, name)!r} does nothing with {why}: "
@@ -191,18 +190,14 @@ class EngineOptions:
                              "'tensor') (hybridattn.mesh.make_mesh)")
         D, tensor = mesh_sizes(mesh)
         check_divisible(config, D, tensor)
-        if prefix_cache:
-            raise ValueError("prefix_cache=True is not supported with a mesh: the prefix cache "
-                             "(a radix tree over one token pool, with KDA state snapshots) "
-                             "serves one device; pass prefix_cache=False or leave it unset "
-                             "(the default is False under a mesh)")
-        for name in ("max_running_requests", "num_token_slots"):
+        for name in ("max_running_requests", "num_token_slots", "num_snapshot_slots"):
             n = getattr(self, name)
             if n is not None:
                 check_int(name, n, 1)
                 if n % D:
                     raise ValueError(f"{name}={n} is not divisible by the mesh's data size "
-                                     f"{D} (each data shard has its own rows and token slots)")
+                                     f"{D} (each data shard has its own rows, token slots and "
+                                     "snapshot slots)")
         n = self.num_token_slots
         if n is not None and n // D < 2:
             raise ValueError(f"num_token_slots={n} leaves a data shard (of {D}) "

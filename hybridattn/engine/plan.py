@@ -230,7 +230,7 @@ class ShardedPlan:
     mode: Mode
     plans: tuple[StepPlan | None, ...]
     buckets: tuple[int, int, int, int]
-    num_snapshots: None = None  # no prefix cache under a mesh
+    num_snapshots: int | tuple[int, int] | None = None  # M: the shards' largest
 
     @property
     def work(self) -> tuple[tuple[Request, list[int]], ...]:

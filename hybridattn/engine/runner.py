@@ -557,8 +557,13 @@ class Runner:
     def _claim_row(self, adm: Admission, row: int) -> tuple[ServingState, Any]:
         """Claim ``row`` on the device for ``adm`` (borrowing its cached prefix, if any)."""
         if self.sharded is not None:  # ok [D]
-            return self.call(self.sharded.claim_rows, self.state, [
-                [row] if k == adm.req.shard else [] for k in range(self.num_data_shards)])
+            mine = [[row] if k == adm.req.shard else [] for k in range(self.num_data_shards)]
+            if not self.prefix_cache:
+                return self.call(self.sharded.claim_rows, self.state, mine)
+            W = bucket(max(adm.borrowed, 1), self.kv_buckets, "cached prefix")
+            return self.call(self.sharded.admit, self.state, mine, [
+                [adm.slots[: adm.borrowed]] if rows else [] for rows in mine],
+                [[adm.computed] if rows else [] for rows in mine], W)
         rows = jnp.asarray([row], jnp.int32)
         if not self.prefix_cache:
             pool, ok = self.call(self.jit.claim_row, self.state.req_to_token_pool, rows)
@@ -622,21 +627,50 @@ class Runner:
             sched.op_done(op)
 
     def _flush_sharded(self, sched) -> None:
-        """Under a mesh the only device ops are releases: every shard's queued releases in one
-        sharded call (each shard's rows padded with row 0 to its row count, one compile)."""
-        ops = sched.device_ops
-        if not ops:
-            return
+        """Under a mesh each data shard has its own queue of device ops (its prefix cache's
+        frees and borrows, its releases), carried out in its order: each sharded call takes
+        the front op of every shard whose front op is of one kind (the others run padding)."""
+        while any(s.device_ops for s in sched.shards):
+            fronts = [s.device_ops[0] if s.device_ops else None for s in sched.shards]
+            kind = type(next(op for op in fronts if op is not None))
+            ops = [op if isinstance(op, kind) else None for op in fronts]
+            if kind is FreeSlots:
+                self.state = self.call(self.sharded.free_tokens, self.state,
+                                        [op.slots if op else [] for op in ops])
+                for k, op in enumerate(ops):
+                    if op is not None:
+                        self.slots[k].give(op.slots)
+            elif kind is Borrow:
+                W = bucket(max(len(op.slots) for op in ops if op), self.kv_buckets,
+                           "cached prompt")
+                self.state = self.call(self.sharded.borrow, self.state,
+                                        [[op.req.row] if op else [] for op in ops],
+                                        [[op.slots] if op else [] for op in ops], W)
+                for op in ops:
+                    if op is not None:
+                        self._borrowed(op.req, op.slots)
+            else:
+                self.state = self._release_sharded([op.reqs if op else () for op in ops])
+            for op in ops:
+                if op is not None:
+                    sched.op_done(op)
+
+    def _release_sharded(self, done: Sequence[Sequence[Request]]) -> ServingState:
+        """Release ``done[k]`` on data shard ``k`` (rows padded with row 0 to a shard's row
+        count: one compile); with a prefix cache, what it keeps and the end snapshots."""
         R = self.max_running_requests // self.num_data_shards
-        rows = [[] for _ in range(self.num_data_shards)]
-        for op in ops:
-            for r in op.reqs:
-                rows[r.shard].append(r.row)
-        self.state = self.call(self.sharded.release, self.state,
-                                [r + [0] * (R - len(r)) for r in rows])
-        self._give_back([r for op in ops for r in op.reqs])
-        for op in ops:
-            sched.op_done(op)
+        rows = [[r.row for r in d] + [0] * (R - len(d)) for d in done]
+        if not self.prefix_cache:
+            state = self.call(self.sharded.release, self.state, rows)
+        else:
+            C = self.max_context_len
+            keep = [[C if r.keep_from is None else r.keep_from for r in d] + [C] * (R - len(d))
+                    for d in done]
+            snaps = [[r.finish_slot if r.end_depth else 0 for r in d] + [0] * (R - len(d))
+                     for d in done]
+            state = self.call(self.sharded.release, self.state, rows, keep, snaps)
+        self._give_back([r for d in done for r in d])
+        return state
 
     def _borrowed(self, r: Request, slots: Sequence[int]) -> None:
         """The row of ``r`` borrows ``slots`` now: the slots of its own they replace are free

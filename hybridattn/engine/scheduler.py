@@ -73,6 +73,7 @@ from hybridattn.engine.plan import (
     StepPlan,
 )
 from hybridattn.engine.prefix_cache import PrefixCache
+from servecore.prefix import cached_len
 from servecore.requests import finish_reason
 
 __all__ = ["Scheduler", "ShardedScheduler"]
@@ -369,12 +370,22 @@ class Scheduler:
 
 class ShardedScheduler:
     """The host scheduler of an engine on a mesh with ``num_shards`` data shards: one
-    ``Scheduler`` per shard (its own rows, token slots and reservations, no prefix cache)
-    behind one FIFO queue. ``admit_next`` gives the request at the front of the queue to the
-    least loaded shard (fewest rows held, then fewest token slots reserved) that has a free row
-    and room for its whole life; when no shard has, it waits (FIFO: a large request is not
-    overtaken). ``plan`` joins the shards' plans into one ``ShardedPlan``; ``commit`` takes the
-    sampled tokens per shard. Device ops (releases) stay in each shard's ``device_ops``.
+    ``Scheduler`` per shard (its own rows, token slots and reservations, and with
+    ``num_snapshot_slots`` its own prefix cache: a radix tree over its own token and snapshot
+    slots, the one-device policy unchanged) behind one FIFO queue. ``plan`` joins the shards'
+    plans into one ``ShardedPlan``; ``commit`` takes the sampled tokens per shard. Device ops
+    (frees, borrows, releases) stay in each shard's ``device_ops``, in its order.
+
+    Routing (``admit_next``): the request at the front of the queue goes to the shard whose
+    tree holds the longest usable prefix of it (``servecore.prefix.cached_len``: what its
+    row would not compute) among the shards that can admit it (a free row, and its whole
+    life's token slots after evicting that shard's unlocked cached prefixes); ties, and a
+    request no tree helps, go to the least loaded shard (fewest rows held, then fewest token
+    slots reserved, then the lowest index). A hot prefix cannot pin all traffic to one shard:
+    a shard holding more than ``ROUTE_SLACK`` rows beyond the least loaded one gets no credit
+    for its prefix, so the request goes where the load is, computes the prefix there, and
+    from then on two shards hold it. When no shard can admit it, it waits (FIFO: a large
+    request is not overtaken).
 
     Same call order as ``Scheduler`` (the module docstring), with ``Request.shard`` saying
     where each admitted request runs.
@@ -394,14 +405,22 @@ class ShardedScheduler:
     [(0, 9, False), (1, 8, False)]
     """
 
+    ROUTE_SLACK = 1
+    """Rows a shard may hold beyond the least loaded shard and still be chosen for the
+    prefix its tree holds."""
+
     def __init__(self, num_shards: int, *, capacity: int, max_running_requests: int,
                  chunked_prefill_size: int, request_buckets: Sequence[int],
                  token_buckets: Sequence[int], kv_buckets: Sequence[int],
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, num_snapshot_slots: int = 0,
+                 snapshot_interval: int = 256, snapshot_buckets: Sequence[int] = (0, 4, 16)):
         self.shards = [Scheduler(capacity=capacity, max_running_requests=max_running_requests,
                                  chunked_prefill_size=chunked_prefill_size,
                                  request_buckets=request_buckets, token_buckets=token_buckets,
-                                 kv_buckets=kv_buckets, chunk_size=chunk_size)
+                                 kv_buckets=kv_buckets, chunk_size=chunk_size,
+                                 num_snapshot_slots=num_snapshot_slots,
+                                 snapshot_interval=snapshot_interval,
+                                 snapshot_buckets=snapshot_buckets)
                        for _ in range(num_shards)]
         self.capacity = capacity  # per shard
         self.max_running_requests = max_running_requests  # per shard
@@ -410,7 +429,12 @@ class ShardedScheduler:
         self.kv_buckets = tuple(kv_buckets)
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
-        self.tree = None  # no prefix cache under a mesh
+        self.snapshot_buckets = tuple(snapshot_buckets)
+
+    @property
+    def tree(self) -> tuple | None:
+        """Each data shard's radix tree (None without a prefix cache)."""
+        return None if self.shards[0].cache is None else tuple(s.tree for s in self.shards)
 
     @property
     def running(self) -> list[Request]:
@@ -434,8 +458,8 @@ class ShardedScheduler:
 
     @property
     def cached_size(self) -> int:
-        """Token slots a prefix cache holds: none."""
-        return 0
+        """Token slots the shards' prefix caches hold."""
+        return sum(s.cached_size for s in self.shards)
 
     @property
     def device_ops(self) -> list:
@@ -447,23 +471,47 @@ class ShardedScheduler:
         self.waiting.append(req)
 
     def admit_next(self) -> Admission | None:
-        """Choose the request at the front and its shard (``req.shard``), or None: no shard
-        has a free row and the token slots for it."""
+        """Choose the request at the front and its shard (``req.shard``; the routing of the
+        class docstring), or None: no shard can admit it now."""
         if not self.waiting:
             return None
         req = self.waiting[0]
-        fits = [k for k, s in enumerate(self.shards)
-                if s.rows_held < s.max_running_requests and s.reserved + req.need <= s.capacity]
-        if not fits:
-            return None
-        k = min(fits, key=lambda k: (self.shards[k].rows_held, self.shards[k].reserved, k))
-        shard = self.shards[k]
-        req.shard = k
-        shard.add(req)
-        adm = shard.admit_next()
-        if adm is None:  # unreachable: the checks above are the shard's own
+        for k in self.route(req):
+            shard = self.shards[k]
+            if shard.rows_held >= shard.max_running_requests:
+                continue
+            req.shard = k
+            shard.add(req)
+            adm = shard.admit_next()  # (with a cache: may evict that shard's cached prefixes)
+            if adm is not None:
+                return adm
             shard.waiting.remove(req)
-        return adm
+        return None
+
+    def route(self, req: Request) -> list[int]:
+        """The shards in the order ``admit_next`` tries them for ``req`` (read-only).
+
+        >>> sched = ShardedScheduler(2, capacity=64, max_running_requests=4,
+        ...                          chunked_prefill_size=8, request_buckets=(4,),
+        ...                          token_buckets=(16,), kv_buckets=(64,),
+        ...                          num_snapshot_slots=8, snapshot_interval=8)
+        >>> sched.shards[1].tree.insert([1, 2, 3, 4], [5, 6, 7, 8])
+        0
+        >>> sched.shards[1].tree.add_state([1, 2, 3, 4], 3)  # (a KDA state: usable there)
+        True
+        >>> sched.route(Request(0, [1, 2, 3, 4, 9], 2)), sched.route(Request(1, [7, 7], 2))
+        ([1, 0], [0, 1])
+        """
+        shards = self.shards
+        least = min(s.rows_held for s in shards)
+
+        def credit(s: Scheduler) -> int:
+            if s.cache is None or s.rows_held - least > self.ROUTE_SLACK:
+                return 0
+            return cached_len(s.tree, req.prompt)
+
+        return sorted(range(len(shards)), key=lambda k: (
+            -credit(shards[k]), shards[k].rows_held, shards[k].reserved, k))
 
     def admitted(self, adm: Admission, row: int) -> None:
         """Commit ``adm`` into local ``row`` of shard ``adm.req.shard``."""
@@ -480,14 +528,18 @@ class ShardedScheduler:
         shard.waiting.remove(adm.req)
 
     def reset_cache(self) -> None:
-        """Nothing to forget: no prefix cache."""
+        """Evict, on every shard, each cached prefix and snapshot no running request holds."""
+        for s in self.shards:
+            s.reset_cache()
 
     def counters(self) -> tuple[int, int, int]:
-        """No prefix cache, no snapshots or evictions."""
-        return 0, 0, 0
+        """``(snapshots_taken, state_evictions, token_evictions)`` summed over the shards."""
+        return tuple(sum(x) for x in zip(*(s.counters() for s in self.shards), strict=True))
 
     def reset_counters(self) -> None:
-        """Nothing to zero: no prefix cache."""
+        """Zero every shard's prefix-cache counters."""
+        for s in self.shards:
+            s.reset_counters()
 
     def plan(self) -> ShardedPlan | None:
         """Every shard's next step, in one batch shape, or None when nothing is running.
@@ -504,7 +556,7 @@ class ShardedScheduler:
             return ShardedPlan(Mode.DECODE, plans, (B, B, W, 1))
         T = bucket(max(p.num_tokens for p in live), self.token_buckets, "tokens in a step")
         Q = min(T, bucket(max(len(t) for _, t in work), self.token_buckets, "extend"))
-        return ShardedPlan(Mode.EXTEND, plans, (B, T, W, Q))
+        return ShardedPlan(Mode.EXTEND, plans, (B, T, W, Q), _snapshots(live))
 
     def commit(self, plan: ShardedPlan, tokens: Sequence[Sequence[int]], read_slots=None,
                ) -> tuple[list[tuple[int, int, bool]], list[Request]]:
@@ -513,7 +565,7 @@ class ShardedScheduler:
         events, done = [], []
         for s, p, toks in zip(self.shards, plan.plans, tokens, strict=True):
             if p is not None:
-                e, d = s.commit(p, list(toks)[: len(p.work)])
+                e, d = s.commit(p, list(toks)[: len(p.work)], read_slots)
                 events += e
                 done += d
         return events, done
@@ -539,3 +591,14 @@ class ShardedScheduler:
                 s.op_done(op)
                 return
         raise ValueError(f"{type(op).__name__} is not the next device op of any shard")
+
+
+def _snapshots(plans: Sequence[StepPlan]) -> int | tuple[int, int] | None:
+    """The snapshot bucket ``M`` of a sharded step: the largest of its shards' (each already
+    a bucket; a pair, part by part), None when no shard takes or restores any."""
+    ms = [p.num_snapshots for p in plans if p.num_snapshots is not None]
+    if not ms:
+        return None
+    if isinstance(ms[0], tuple):
+        return tuple(max(m[i] for m in ms) for i in range(len(ms[0])))
+    return max(ms)

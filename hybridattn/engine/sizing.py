@@ -344,7 +344,10 @@ def _snapshot_slots(opts: EngineOptions, num_token_slots: int, rows: int, share:
                 f"a quarter of the memory budget left ({share} bytes) holds no KDA "
                 f"snapshot of {snap_bytes} bytes: raise mem_fraction, give "
                 "num_snapshot_slots, or pass prefix_cache=False")
-    elif n < 2:
-        raise ValueError(f"num_snapshot_slots={n} holds no snapshot (slot 0 is the sink): "
-                         "give at least 2, or pass prefix_cache=False")
-    return n
+    elif n < 2 * opts.num_data_shards:
+        raise ValueError(f"num_snapshot_slots={n} holds no snapshot (slot 0 is the sink"
+                         + (f" of each of {opts.num_data_shards} data shards"
+                            if opts.num_data_shards > 1 else "")
+                         + "): give at least 2 per shard, or pass prefix_cache=False")
+    D = opts.num_data_shards  # under a mesh each data shard gets an equal share, with a sink
+    return n if n % D == 0 else max(2, n // D) * D

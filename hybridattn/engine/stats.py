@@ -30,7 +30,8 @@ class EngineStats(ServingStats):
     ``(mode, B, T, W, Q)`` shape buckets the steps used, ``compiled_buckets`` those that were
     new to it, ``bucket_compile_seconds`` each of those to the wall time of the step that
     compiled it (tracing, lowering, compiling and its first run; ``compile_seconds`` is their
-    sum).
+    sum). Under a mesh ``shard_prompt_tokens`` / ``shard_cached_tokens`` (and
+    ``shard_hit_rates``) count each data shard's requests apart.
 
     Where a step's time goes (steps that compiled left out, as above): ``*_host_seconds``
     is the Python side of those steps' rounds outside the wait for their outputs (planning
@@ -64,3 +65,16 @@ class EngineStats(ServingStats):
     decode_host_seconds: float = 0.0
     decode_wait_seconds: float = 0.0
     decode_exposed_seconds: float = 0.0
+    # under a mesh, per data shard: its requests' prompt tokens and cached tokens
+    shard_prompt_tokens: list = dataclasses.field(default_factory=list)
+    shard_cached_tokens: list = dataclasses.field(default_factory=list)
+
+    @property
+    def shard_hit_rates(self) -> list[float]:
+        """Under a mesh, each data shard's ``hit_rate`` (empty without a mesh).
+
+        >>> EngineStats(shard_prompt_tokens=[10, 0], shard_cached_tokens=[5, 0]).shard_hit_rates
+        [0.5, 0.0]
+        """
+        return [c / p if p else 0.0
+                for p, c in zip(self.shard_prompt_tokens, self.shard_cached_tokens, strict=True)]

@@ -561,7 +561,7 @@ def _mesh():
     (dict(snapshot_interval=64), dict(prefix_cache=False), "snapshot_interval=64"),
     (dict(num_snapshot_slots=9), dict(prefix_cache=False), "num_snapshot_slots=9"),
     (dict(snapshot_buckets=(0, 64)), dict(prefix_cache=False), "snapshot_buckets=\\(0, 64\\)"),
-    (dict(snapshot_interval=64), dict(mesh=_mesh), "snapshot_interval=64"),
+    (dict(snapshot_interval=64), dict(mesh=_mesh, prefix_cache=False), "snapshot_interval=64"),
     (dict(overlap=True), dict(mesh=_mesh), "overlap=True"),
     (dict(decode_steps=4), dict(mesh=_mesh), "decode_steps=4"),
 ])

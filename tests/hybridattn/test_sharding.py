@@ -272,15 +272,16 @@ ENGINE = dict(max_context_len=EL, max_running_requests=4, chunked_prefill_size=8
 
 @pytest.fixture(scope="module")
 def engines(params):
-    """The unsharded engine and the same engine on a 2x4 mesh (each compiles its own step)."""
+    """The unsharded engine and the same engine on a 2x4 mesh (each compiles its own step),
+    both without the prefix cache (the cached mesh engine: ``test_mesh_prefix_cache.py``)."""
     from hybridattn.engine import Engine
 
     ref = Engine(CFG, params, num_token_slots=97, request_buckets=(4,), prefix_cache=False,
                  **ENGINE)
     eng = Engine(CFG, params, num_token_slots=2 * 49, request_buckets=(2,),
-                 mesh=MS.make_mesh(2, 4), **ENGINE)
+                 mesh=MS.make_mesh(2, 4), prefix_cache=False, **ENGINE)
     assert (eng.max_running_requests, eng.capacity, eng.shard_capacity) == (4, 96, 48)
-    assert eng.prefix_cache is False and eng.tree is None  # the default under a mesh
+    assert eng.prefix_cache is False and eng.tree is None
     return ref, eng
 
 
@@ -392,8 +393,9 @@ def test_engine_mesh_errors_name_the_value(params):
 
     mesh = MS.make_mesh(2, 4)
     geo = dict(ENGINE, num_token_slots=98)
-    with pytest.raises(ValueError, match=r"prefix_cache=True is not supported with a mesh"):
-        Engine(CFG, params, mesh=mesh, prefix_cache=True, **geo)
+    with pytest.raises(ValueError, match=r"num_snapshot_slots=9 is not divisible by the "
+                                         r"mesh's data size 2"):
+        Engine(CFG, params, mesh=mesh, num_snapshot_slots=9, **geo)
     with pytest.raises(ValueError, match=r"max_running_requests=3 is not divisible by the "
                                          r"mesh's data size 2"):
         Engine(CFG, params, mesh=mesh, **{**geo, "max_running_requests": 3})
