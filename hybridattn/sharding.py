@@ -79,9 +79,11 @@ __all__ = [
     "MeshComm",
     "ShardedStep",
     "natural_conv",
+    "place",
     "shard",
     "shard_params",
     "stack_batches",
+    "to_host",
 ]
 
 def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
@@ -96,7 +98,11 @@ def shard_params(params, config: KimiLinearConfig, mesh: jax.sharding.Mesh):
     P('tensor', None)
     """
     stacked = isinstance(params["model"]["layers"], kimi_linear.STACKED)
-    return jax.device_put(params, param_shardings(config, mesh, stacked=stacked))
+    shardings = param_shardings(config, mesh, stacked=stacked)
+    if mesh.is_multi_process:  # each process places its own devices' shards (``place``)
+        return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
+                            else place(np.asarray(x), s), params, shardings)
+    return jax.device_put(params, shardings)
 
 
 def natural_conv(conv: Shaped[Array, "*lead C"], tensor: int) -> Shaped[Array, "*lead C"]:
@@ -147,7 +153,37 @@ def stack_batches(batches: Sequence, mesh: jax.sharding.Mesh):
         raise ValueError("the batches of one sharded step must share their buckets "
                          "(forward_mode, kv_width, max_extend_len and array shapes)")
     stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
-    return jax.device_put(stacked, NamedSharding(mesh, BATCH_SPEC))
+    return jax.tree.map(lambda a: place(a, NamedSharding(mesh, BATCH_SPEC)), stacked)
+
+
+def place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The host array ``value`` as a global array of ``sharding``; with several processes
+    (``jax.distributed``) every process passes the same ``value`` and places the shards of
+    its own devices (a ``jax.device_put`` across processes would need them all).
+
+    >>> from hybridattn.mesh import make_mesh
+    >>> place(np.arange(4), NamedSharding(make_mesh(1, 1), P("data"))).tolist()
+    [0, 1, 2, 3]
+    """
+    value = np.asarray(value)
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``x`` (an output of a sharded call) as one NumPy array of its global value; a shard
+    another process holds comes through JAX's collectives (``process_allgather``), so every
+    process must ask for it at the same point.
+
+    >>> to_host(jnp.arange(3)).tolist()
+    [0, 1, 2]
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils  # (multi-process only)
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,8 +396,7 @@ class ShardedStep:
             sh = self._shardings(spec)
             self._compiled[ck] = jax.jit(sharded, out_shardings=(sh, NamedSharding(
                 self.mesh, P(DATA))), donate_argnums=0)
-        args = tuple(jax.device_put(np.asarray(a), NamedSharding(self.mesh, P(DATA)))
-                     for a in args)
+        args = tuple(place(a, NamedSharding(self.mesh, P(DATA))) for a in args)
         return self._compiled[ck](state, *args)
 
     def alloc_rows(self, state, counts: Sequence[int]):
@@ -389,7 +424,7 @@ class ShardedStep:
             return local.replace(req_to_token_pool=pool), (rows, ok)
 
         new, (rows, ok) = self._map(fn, state, counts, key=("alloc", width))
-        ok, rows = np.asarray(ok), np.asarray(rows)
+        ok, rows = to_host(ok), to_host(rows)
         return new, [rows[k, : counts[k]].tolist() if ok[k] else [] for k in range(self.data)], ok
 
     def claim_rows(self, state, rows_per_shard: Sequence[Sequence[int]]):

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridattn.ops",),
     ("hybridattn.pools",),
     ("hybridattn.backends",),
-    ("hybridattn.mesh",),
+    ("hybridattn.launch", "hybridattn.mesh"),
     ("hybridattn.models",),
     ("hybridattn.serving",),
     ("hybridattn.sharding",),

@@ -4,8 +4,8 @@
     python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
                                      [--compile-layers 4 12 27] [--plot DIR]
                                      [--compile-baseline PATH [--compile-rounds 3]]
-    python -m hybridattn.bench serve --mesh 2x4 [--json] [--quick]
-    python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR]
+    python -m hybridattn.bench serve --mesh 2x4 [--processes 2] [--json] [--quick]
+    python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR] [--mesh DxT]
     python -m hybridattn.bench longctx [--json] [--quick] [--compare-chunk N] [--plot DIR]
     python -m hybridattn.bench WHAT --from-json FILE --plot DIR   # plot a saved --json run
     python -m hybridattn.bench mla {forms,blocks,memory}
@@ -143,6 +143,9 @@ def _add_serve(sub) -> argparse.ArgumentParser:
                     help="our engine's decode steps per dispatch (default: the engine's)")
     sv.add_argument("--mesh", default=None, metavar="DxT",
                     help="run the sharded step on a data x tensor mesh of CPU devices instead")
+    sv.add_argument("--processes", type=int, default=1, metavar="P",
+                    help="with --mesh: the engine in one process against P processes "
+                    "(gloo on 127.0.0.1) of the same mesh")
     sv.add_argument("--no-transformers", action="store_true",
                     help="skip transformers even when torch is installed")
     sv.add_argument("--compile-layers", type=int, nargs="*", default=None, metavar="N",
@@ -184,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     px = sub.add_parser("prefix", help="the hybrid prefix cache: with vs without, and ideals")
     px.add_argument("--json", action="store_true", help="print JSON instead of a table")
     px.add_argument("--quick", action="store_true", help="one timed round")
+    px.add_argument("--mesh", metavar="DxT", default=None,
+                    help="serve on a DATAxTENSOR mesh of CPU devices (a prefix cache per "
+                    "data shard), e.g. 2x4")
     lc = _add_longctx(sub)
     for sp in (k, sv, px, lc):
         sp.add_argument("--plot", metavar="DIR",
@@ -211,14 +217,26 @@ def _run_longctx(args) -> int:
 def _run_serve_mesh(p: argparse.ArgumentParser, args) -> int:
     if args.plot:
         p.error("--plot draws the unsharded serve table, not --mesh")
-    try:
-        data, tensor = (int(n) for n in args.mesh.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--mesh {args.mesh!r}: expected DATAxTENSOR, e.g. 2x4") from None
+    data, tensor = _mesh_shape(args.mesh)
     jax.config.update("jax_num_cpu_devices", data * tensor)  # before JAX starts
+    if args.processes > 1:
+        from hybridattn.bench.processes import bench_processes, print_processes
+
+        res = bench_processes(data, tensor, args.processes,
+                              new_tokens=4 if args.quick else 16)
+        return _emit(res, args.json, print_processes, args.what, None)
     res = bench_serve_mesh(data, tensor, prompt_len=16 if args.quick else args.prompt_len,
                            new_tokens=3 if args.quick else 4)
     return _emit(res, args.json, print_serve_mesh, args.what, None)
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``--mesh DxT`` as ``(data, tensor)``; SystemExit naming the flag otherwise."""
+    try:
+        data, tensor = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh {text!r}: expected DATAxTENSOR, e.g. 2x4") from None
+    return data, tensor
 
 
 def _run_serve(p: argparse.ArgumentParser, args) -> int:
@@ -276,8 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "longctx":
         return _run_longctx(args)
     if args.what == "prefix":
-        return _emit(bench_prefix(quick=args.quick, progress=True), args.json, print_prefix,
-                     args.what, args.plot)
+        mesh = None
+        if args.mesh:
+            mesh = _mesh_shape(args.mesh)
+            jax.config.update("jax_num_cpu_devices", mesh[0] * mesh[1])  # before JAX starts
+        return _emit(bench_prefix(quick=args.quick, progress=True, mesh=mesh), args.json,
+                     print_prefix, args.what, args.plot)
     if args.what == "serve" and args.mesh:
         return _run_serve_mesh(p, args)
     if args.what == "serve":

@@ -9,17 +9,22 @@ import numpy as np
 from hybridattn.bench.common import machine
 from hybridattn.demo import demo_config
 from hybridattn.engine import Engine
+from hybridattn.mesh import make_mesh
 from hybridattn.models import kimi_linear as M
 from servecore.progress import progress_bar
 
 
-def _prefix_engine(config, params, cache: bool, ctx: int):
-    R = 16
+def _prefix_engine(config, params, cache: bool, ctx: int, mesh=None):
+    """16 rows and 16 contexts of token slots (under a mesh of ``D`` data shards, each shard
+    ``16 / D`` of them, its own sink and its share of the snapshots)."""
+    R, D = 16, 1 if mesh is None else mesh.shape["data"]
+    r = R // D
     return Engine(config, params, max_running_requests=R, max_context_len=ctx,
-                  num_token_slots=R * ctx + 1, chunked_prefill_size=256, chunk_size=64,
-                  prefix_cache=cache, snapshot_interval=256, num_snapshot_slots=129,
-                  request_buckets=(1, 4, R), token_buckets=(64, 256 + R),
-                  kv_buckets=(ctx,))
+                  num_token_slots=D * (r * ctx + 1), chunked_prefill_size=256, chunk_size=64,
+                  prefix_cache=cache, request_buckets=tuple(sorted({1, min(4, r), r})),
+                  token_buckets=(64, 256 + r), kv_buckets=(ctx,), mesh=mesh,
+                  **(dict(snapshot_interval=256, num_snapshot_slots=D * (128 // D + 1))
+                     if cache else {}))  # (the snapshot options do nothing without a cache)
 
 
 def _serve_rounds(engine, rounds: list[list[list[int]]], new_tokens: int) -> dict:
@@ -50,10 +55,12 @@ def _conversations(rng, n: int, turns: int, vocab: int, first: int, msg: int,
     return rounds
 
 
-def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False) -> dict:
+def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False,
+                 mesh: tuple[int, int] | None = None) -> dict:
     """The prefix-cache workloads (see :mod:`hybridattn.bench.cli`): per workload, the engine with
     and without the cache and the uncached parts served cold, timed in interleaved rounds.
-    ``progress``: a bar of the workloads done."""
+    ``progress``: a bar of the workloads done. ``mesh``: ``(data, tensor)``, every engine on
+    that mesh (the JAX CPU devices must be there: ``--mesh`` sets them)."""
     config = demo_config()
     params = M.init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -61,10 +68,12 @@ def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False) 
     shared = [[prefix + rng.integers(1, config.vocab_size, 32).tolist() for _ in range(16)]]
     # (a) what must be computed: the first prompt whole, then each one's 32 unique tokens
     shared_uncached = [[shared[0][0]] + [p[1024:] for p in shared[0][1:]]]
-    res: dict = dict(machine=machine(), config=config.to_dict(), workloads={})
+    res: dict = dict(machine=machine(), config=config.to_dict(), workloads={},
+                     mesh=list(mesh) if mesh else None)
+    grid = None if mesh is None else make_mesh(*mesh)
     repeats = 1 if quick else repeats
     ctx_a, ctx_b = 1088, 512
-    engines = {name: _prefix_engine(config, params, cache, ctx)
+    engines = {name: _prefix_engine(config, params, cache, ctx, grid)
                for name, cache, ctx in (("a_cache", True, ctx_a), ("a_cold", False, ctx_a),
                                         ("b_cache", True, ctx_b), ("b_cold", False, ctx_b))}
     # (b) the conversations' prompts depend on the answers: take them from a cold run
@@ -126,8 +135,10 @@ def bench_prefix(quick: bool = False, repeats: int = 3, progress: bool = False) 
 
 def print_prefix(res: dict) -> None:
     cfg = res["config"]
+    mesh = res.get("mesh")
     print(f"prefix: Kimi-Linear {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-          f"f32; snapshot grid 256 tokens")
+          f"f32; snapshot grid 256 tokens"
+          + (f"; a {mesh[0]}x{mesh[1]} mesh (a prefix cache per data shard)" if mesh else ""))
     names = {"a": "(a) 16 x (1024 shared + 32)", "b": "(b) 8 conversations x 4 turns"}
     print(f"{'workload':<30} | {'TTFT cold':>9} | {'TTFT hit':>8} | {'eff. tok/s cold':>15} | "
           f"{'eff. tok/s hit':>14} | {'speedup':>7} | {'token ideal':>11} | "

@@ -27,6 +27,7 @@ import numpy as np
 from hybridattn.engine.plan import Mode, Request, StepPlan
 from hybridattn.engine.runner import Run
 from hybridattn.engine.stats import EngineStats
+from hybridattn.sharding import to_host
 from servecore.engine import TokenLogprobs
 
 __all__ = ["StatsClock", "decode_run_steps", "live_part", "read_logprobs", "read_output"]
@@ -45,9 +46,9 @@ def read_output(run: Run) -> tuple[np.ndarray, float]:
     ...
     RuntimeError: a step refused the token slots or rows the host named (or ran out)
     """
-    tokens = np.asarray(run.tokens)
+    tokens = to_host(run.tokens)  # (across processes: every process reads every shard's)
     # read, not reduced on the device: a reduction would queue behind the next run
-    ok = np.asarray(run.ok)
+    ok = to_host(run.ok)
     now = time.perf_counter()
     if not ok.all():  # unreachable (the host's ids); only the sinks were written
         raise RuntimeError("a step refused the token slots or rows the host named (or ran "

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax  # noqa: F401 (the examples)
+import jax
 import jax.numpy as jnp
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.core import Core, build_core
 from hybridattn.engine.options import EngineOptions
+from hybridattn.engine.processes import ProcessGroupCore
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
 from hybridattn.models import kimi_linear
 from hybridattn.models.kimi_linear.params import _check_supported
@@ -47,18 +48,15 @@ class Engine:
 
     The contract with callers is ``servecore.streams.Streams``'s, which the engine delegates
     ``generate``, ``stream``, ``add_request``, ``step``, ``abort`` and ``has_unfinished`` to
-    (the arguments: ``servecore.requests``): any number of users interleaved in one thread,
-    each getting its own requests' tokens; ``abort`` safe at any point outside a round; calls
-    from several threads serialized. A scheduling round is a transaction
-    (``hybridattn.engine.core``): an exception anywhere in it leaves the pools and the
-    bookkeeping in agreement and drops no request (a ``KeyboardInterrupt`` that arrives
-    mid-round is held until the round has committed, then raised).
-
-    ``close()`` (or leaving a ``with Engine(...) as engine:`` block) ends the engine from any
-    thread, after the call under way: every request is dropped and the pools' device buffers
-    are deleted (``Core.close``). A stream still unfinished yields the tokens made before and
-    then raises ``servecore.errors.EngineClosedError``; so does every later call, naming the
-    engine. Closing twice is a no-op.
+    (the arguments: ``servecore.requests``): users interleaved in one thread each get their
+    own tokens; ``abort`` is safe outside a round; threads are serialized. A round is a
+    transaction (``hybridattn.engine.core``): an exception in it leaves the pools and the
+    bookkeeping in agreement and drops no request (a ``KeyboardInterrupt`` mid-round is held
+    until the round has committed). ``close()`` (or leaving a ``with`` block) ends the engine
+    from any thread, after the call under way: every request is dropped, the device buffers
+    deleted (``Core.close``); an unfinished stream yields the tokens made before, then raises
+    ``servecore.errors.EngineClosedError``, as every later call does. On a mesh of several
+    processes every process builds the engine, process 0 serves, the others ``follow()``.
 
     Args:
         config: the model's config (``hybridattn.models.kimi_linear.load`` or
@@ -284,7 +282,10 @@ class Engine:
             scan_layers=scan_layers, mesh=mesh).resolved(config)
         eos = _default_stop_ids(config, check_tokenizer(tokenizer))
         self.config, self.tokenizer = config, tokenizer
-        self.core: Core = (core := build_core(config, params, opts))
+        core = build_core(config, params, opts)
+        if mesh is not None and jax.process_count() > 1:  # every process runs this engine
+            core = ProcessGroupCore(core)  # (``hybridattn.engine.processes``)
+        self.core: Core = core
         self.streams = Streams(core, RequestBuilder(vocab_size=config.vocab_size,
                                                     tokenizer=tokenizer, eos_ids=eos,
                                                     check=core.check),
@@ -298,21 +299,18 @@ class Engine:
         self.chunked_prefill_size = opts.chunked_prefill_size
         self.decode_steps = opts.decode_steps
         self.prefix_cache, self.snapshot_interval = opts.prefix_cache, opts.snapshot_interval
-        self.overlap = opts.overlap
-        b = core.buckets
+        self.overlap, b = opts.overlap, core.buckets
         self.request_buckets, self.token_buckets = b.request, b.token
         self.kv_buckets, self.snapshot_buckets = b.kv, b.snapshot
 
     # ------------------------------------------------------------- the core's state ----
 
     state = delegate("core.runner.state", "The ``ServingState`` (pools) the steps update.")
-    params = delegate("core.runner.params",
-                      "The parameters in the engine's layout (stacked, placed).")
+    params = delegate("core.runner.params", "The parameters in the engine's layout.")
     stats = delegate("core.stats", "``EngineStats``: throughput, TTFT, compilations and buckets.")
     tree = delegate("scheduler.tree", "The prefix cache's radix tree (``servecore.radix."
                     "RadixCache``; under a mesh one per data shard; None without a cache).")
-    num_running = delegate("scheduler.num_running",
-                           "Admitted requests (holding a row and their token-slot reservation).")
+    num_running = delegate("scheduler.num_running", "Admitted requests (a row, slots).")
     num_waiting = delegate("scheduler.num_waiting", "Queued requests not admitted yet.")
     num_cached_slots = delegate("scheduler.cached_size",
                                 "Token slots the prefix cache holds (0 without it).")
@@ -389,9 +387,8 @@ class Engine:
         ...                 max_running_requests=2, max_context_len=16, num_token_slots=33,
         ...                 snapshot_interval=32, num_snapshot_slots=9)
         >>> _ = engine.generate([[1, 2, 3]], 2)
-        >>> engine.num_cached_slots, engine.tree.num_states  # prompt + answer, 2 snapshots
-        (4, 2)
-        >>> engine.reset_cache()
+        >>> engine.num_cached_slots, engine.tree.num_states, engine.reset_cache()
+        (4, 2, None)
         >>> engine.num_cached_slots, engine.num_free_slots == engine.capacity
         (0, True)
         """
@@ -403,6 +400,11 @@ class Engine:
         stay."""
         with self.streams.serialized():
             self.core.reset_stats()
+
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-process mesh: run process 0's rounds until it
+        closes (``hybridattn.engine.processes``)."""
+        self.core.follow()
 
     @property
     def closed(self) -> bool:

@@ -580,7 +580,7 @@ class Runner:
         ready); a refusal cannot happen and raises."""
         checks, self._row_checks = self._row_checks, []
         for row, ok, shard in checks:
-            if not bool(np.asarray(ok).reshape(-1)[shard if self.sharded else 0]):
+            if not bool(sharding.to_host(ok).reshape(-1)[shard if self.sharded else 0]):
                 raise RuntimeError(f"the device refused request row {row}, which the host "
                                    "holds free")
 

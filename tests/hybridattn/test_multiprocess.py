@@ -1,0 +1,95 @@
+"""One engine across two processes (``hybridattn.engine.processes``): two processes of 4 CPU
+devices each (gloo collectives on 127.0.0.1, ``hybridattn.launch``) serve on one (2, 4) mesh.
+The oracles: the one-process engine on the same mesh of 8 devices (``conftest.py``) and the
+unsharded engine, serving the same requests; greedy and seeded tokens must be equal, with
+the prefix cache and without. A process that dies makes the other fail, in bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from hybridattn.config import KimiLinearConfig
+
+HERE = pathlib.Path(__file__).parent
+CFG = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64,
+                            linear_num_heads=8, linear_head_dim=8, num_attention_heads=8,
+                            num_experts=8, intermediate_size=64, moe_intermediate_size=16)
+ENGINE = dict(max_context_len=32, max_running_requests=4, chunked_prefill_size=8,
+              chunk_size=8, token_buckets=(12,), kv_buckets=(32,), request_buckets=(2,),
+              num_token_slots=2 * 65)
+
+
+def workload() -> tuple[list[list[int]], dict]:
+    rng = np.random.default_rng(11)
+    system = rng.integers(1, 64, 12).tolist()
+    prompts = [system + rng.integers(1, 64, n).tolist() for n in (2, 5, 3, 7)]
+    return prompts + [rng.integers(1, 64, 9).tolist()], {}
+
+
+def _run(tmp_path: pathlib.Path, mode: str, timeout: float = 420) -> tuple[list, dict | None]:
+    from hybridattn import launch
+
+    out = tmp_path / f"{mode}.json"
+    procs = launch.start([str(HERE / "multiprocess_worker.py"), str(out), mode], processes=2,
+                         devices=4, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])},
+                         cwd=HERE)
+    end, logs = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(end - time.monotonic(), 1))[0])
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    return list(zip(codes, logs, strict=True)), (json.loads(out.read_text())
+                                                 if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def want():
+    """The one-process engines' tokens: a (2, 4) mesh of this process's 8 devices, and one
+    device."""
+    import jax
+
+    from hybridattn.engine import Engine
+    from hybridattn.mesh import make_mesh
+    from hybridattn.models import kimi_linear
+
+    params = kimi_linear.init_params(CFG, jax.random.key(0))
+    prompts, _ = workload()
+    one = Engine(CFG, params, prefix_cache=False, **{**ENGINE, "request_buckets": (4,),
+                                                      "num_token_slots": 129})
+    mesh = Engine(CFG, params, mesh=make_mesh(2, 4), **ENGINE)
+    got = {}
+    for name, e in (("one", one), ("mesh", mesh)):
+        got[name] = {"greedy": e.generate(prompts, 4),
+                     "seeded": e.generate(prompts[:3], 4, temperature=0.9, seed=[5, 6, 7])}
+    assert got["one"] == got["mesh"]
+    return got["one"]
+
+
+@pytest.mark.parametrize("mode", ["cache", "nocache"])
+def test_two_processes_serve_as_one(tmp_path, want, mode):
+    ran, got = _run(tmp_path, mode)
+    assert all(code == 0 for code, _ in ran), ran
+    assert got["greedy"] == want["greedy"] and got["again"] == want["greedy"]
+    assert got["seeded"] == want["seeded"]
+    if mode == "cache":
+        assert all(rate > 0 for rate in got["hit_rates"]), got["hit_rates"]
+
+
+def test_a_process_that_dies_ends_the_other_in_bounded_time(tmp_path):
+    t = time.monotonic()
+    ran, got = _run(tmp_path, "die", timeout=240)
+    (code0, log0), (code1, _) = ran
+    assert code1 == 3 and code0 != 0 and got is None, ran
+    assert "Task 1 heartbeat timeout" in log0, log0[-2000:]  # JAX's error, naming the task
+    assert time.monotonic() - t < 240
