@@ -16,10 +16,12 @@ call on the global mesh. What must be the same everywhere:
 * **Outputs.** Each step's sampled tokens are sharded over ``data``; every process reads all
   of them (``sharding.to_host``: ``process_allgather``), commits them alike, and process 0
   hands them to its caller.
-* **Agreement, checked.** After every round each process digests its scheduler's state
-  (waiting and running requests, rows, shards, positions, outputs) and the digests are
-  compared across processes (``multihost_utils.assert_equal``): processes that diverged
-  raise ``ProcessesDiverged`` at the end of that round, never compute on silently.
+* **Agreement, checked.** Each process digests its scheduler's state (waiting and running
+  requests, rows, shards, positions, outputs, free slots) when a round's inputs are applied
+  and when it ends, and its plan before the step is dispatched; the digests are compared
+  across processes (``process_allgather``). Processes that diverged raise
+  ``ProcessesDiverged`` before any device call of the diverged round (whose sharded
+  programs would no longer match), never compute on silently.
 * **Failure.** A process that dies leaves the others' next collective without a peer:
   JAX's coordination service notices its missing heartbeats (``hybridattn.launch``
   initializes with a short heartbeat timeout) and ends the others with an error naming the
@@ -87,6 +89,14 @@ class ProcessGroupCore:
             raise ValueError("the processes built engines of different sizes (an automatic "
                              "pool sizes itself from each host's free memory): give "
                              "num_token_slots and num_snapshot_slots, the same everywhere")
+        plan = core.scheduler.plan
+
+        def checked_plan(*args: Any, **kwargs: Any) -> Any:  # before the step is dispatched
+            out = plan(*args, **kwargs)
+            self._check(plan_digest(out), "plan for this round")
+            return out
+
+        core.scheduler.plan = checked_plan
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.core, name)
@@ -163,16 +173,17 @@ class ProcessGroupCore:
                 core.cancel(msg[1])
             elif msg[0] == "reset":
                 core.reset_cache()
+        self._check(state_digest(core), "scheduler state at this round's start")
         ran = core.run_round(emit)
-        self._check(core)
+        self._check(state_digest(core), "scheduler state at this round's end")
         return ran
 
-    def _check(self, core: Core) -> None:
-        """Every process's scheduler digest equals process 0's (``ProcessesDiverged``)."""
-        bad = _disagree(state_digest(core))
+    def _check(self, digest: bytes, what: str) -> None:
+        """Every process's ``digest`` equals process 0's (``ProcessesDiverged``)."""
+        bad = _disagree(digest)
         if bad:
             raise ProcessesDiverged(f"processes {bad} of {self.num_processes} hold another "
-                                    "scheduler state than process 0 after this round")
+                                    f"{what} than process 0")
 
 
 def state_digest(core: Any) -> bytes:
@@ -193,6 +204,22 @@ def state_digest(core: Any) -> bytes:
                        for r in group]).encode())
         h.update(b"|")
     h.update(repr([sorted(ids) for ids in core.runner.slots]).encode())
+    return h.digest()
+
+
+def plan_digest(plan: Any) -> bytes:
+    """16 bytes that change with anything a step's plan (a ``ShardedPlan`` or None) names:
+    its mode, buckets and each shard's work (request, row, position, tokens).
+
+    >>> plan_digest(None) == plan_digest(None), len(plan_digest(None))
+    (True, 16)
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if plan is not None:
+        h.update(repr((int(plan.mode), plan.buckets, plan.num_snapshots)).encode())
+        for p in plan.plans:
+            h.update(repr(None if p is None else [(r.rid, r.row, r.computed, list(t))
+                                                   for r, t in p.work]).encode())
     return h.digest()
 
 

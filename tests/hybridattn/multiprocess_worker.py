@@ -2,7 +2,8 @@
 ``hybridattn.launch.start``: ``python multiprocess_worker.py OUT MODE``. Every process builds
 the same engine on a (2, 4) mesh over the group's 8 CPU devices; process 0 serves the
 workload and writes its tokens to ``OUT`` (JSON); the others follow. ``MODE``: ``cache`` or
-``nocache``; ``die``: process 1 exits abruptly after following two rounds."""
+``nocache``; ``die``: process 1 exits abruptly after following two rounds; ``diverge``:
+process 1 queues a request of its own before following (a bug the checks must catch)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ if jax.process_index() == 0:
     engine.close()
     with open(out, "w") as f:
         json.dump(got, f)
+elif mode == "diverge":
+    from hybridattn.engine.plan import Request
+
+    engine.core.core.scheduler.add(Request(999, [1, 2, 3], 2))  # behind process 0's back
+    engine.follow()
 elif mode == "die":
     core = engine.core
     for _ in range(2):  # follow two rounds, then vanish without a word

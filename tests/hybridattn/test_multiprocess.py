@@ -38,7 +38,8 @@ def _run(tmp_path: pathlib.Path, mode: str, timeout: float = 420) -> tuple[list,
 
     out = tmp_path / f"{mode}.json"
     procs = launch.start([str(HERE / "multiprocess_worker.py"), str(out), mode], processes=2,
-                         devices=4, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         devices=4, heartbeat_seconds=5, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True,
                          env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])},
                          cwd=HERE)
     end, logs = time.monotonic() + timeout, []
@@ -84,6 +85,17 @@ def test_two_processes_serve_as_one(tmp_path, want, mode):
     assert got["seeded"] == want["seeded"]
     if mode == "cache":
         assert all(rate > 0 for rate in got["hit_rates"]), got["hit_rates"]
+
+
+def test_processes_that_diverge_raise_instead_of_computing(tmp_path):
+    """Process 1 queues a request process 0 never sent: at the start of the first round the
+    digests differ, and both processes raise ``ProcessesDiverged`` before any step."""
+    ran, got = _run(tmp_path, "diverge", timeout=240)
+    assert got is None and all(code != 0 for code, _ in ran), ran
+    said = ("ProcessesDiverged: processes [1] of 2 hold another scheduler state at this "
+            "round's start than process 0")
+    for _, log in ran:
+        assert said in log, log[-2000:]
 
 
 def test_a_process_that_dies_ends_the_other_in_bounded_time(tmp_path):
