@@ -36,17 +36,39 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
     raise AssertionError("the server did not come up")
 
 
+def _start(module: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``python -m module --port P flags...`` on a free port, up: the process and its URL."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *flags,
+                             "--log-level", "warning"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, as a user stops a server: uvicorn shuts down, then exits by the signal it
+    caught; it must not have printed a traceback."""
+    proc.terminate()
+    try:
+        assert proc.wait(60) in (0, -15)
+        out = proc.stdout.read()
+        assert "Traceback" not in out, out
+    finally:
+        proc.kill()
+
+
 def test_the_hybridattn_demo_server_answers_the_openai_client():
     openai = pytest.importorskip("openai")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "hybridattn.serve", "--port", str(port), "--max-running", "2",
-           "--max-context-len", "64", "--num-token-slots", "129", "--chunked-prefill", "32",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = _start("hybridattn.serve", "--max-running", "2", "--max-context-len", "64",
+                       "--num-token-slots", "129", "--chunked-prefill", "32")
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["hybridattn-demo"]
         chat = [{"role": "user", "content": "w5 w6 w7"}]
@@ -59,13 +81,7 @@ def test_the_hybridattn_demo_server_answers_the_openai_client():
         assert again.choices[0].message.content == out.choices[0].message.content
         assert again.usage.prompt_tokens_details.cached_tokens > 0
     finally:
-        proc.terminate()
-        try:  # SIGTERM: uvicorn shuts down, then exits by the signal it caught
-            assert proc.wait(30) in (0, -15)
-            out = proc.stdout.read()
-            assert "Traceback" not in out, out
-        finally:
-            proc.kill()
+        _stop(proc)
 
 
 @pytest.mark.mlx
@@ -81,26 +97,14 @@ def test_a_restarted_mlxcache_server_finds_the_conversation_on_disk(tmp_path):
             {"role": "user", "content": "w9 w8 w7"}]
     answers = []
     for _ in range(2):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "mlxcache.serve", "--model", str(tmp_path / "model"),
-               "--port", str(port), "--num-slots", "1024", "--cache-dir",
-               str(tmp_path / "cache"), "--log-level", "warning"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc, url = _start("mlxcache.serve", "--model", str(tmp_path / "model"),
+                           "--num-slots", "1024", "--cache-dir", str(tmp_path / "cache"))
         try:
-            url = f"http://127.0.0.1:{port}"
-            _wait(url, proc)
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             answers.append(client.chat.completions.create(model="model", messages=chat,
                                                           max_tokens=6, temperature=0))
         finally:
-            proc.terminate()
-            try:
-                assert proc.wait(60) in (0, -15)
-                out = proc.stdout.read()
-                assert "Traceback" not in out, out
-            finally:
-                proc.kill()
+            _stop(proc)
     first, second = answers
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 256  # read back from disk
@@ -139,15 +143,9 @@ def test_an_mlxcache_server_with_kv_bits_answers_as_mlx_lm_does(tmp_path):
             logits = model(mx.array([out[-1:]]), cache=cache)
         return tok.decode(out)
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "mlxcache.serve", "--model", str(tmp_path / "model"),
-           "--port", str(port), "--num-slots", "1024", "--kv-bits", "8", "--kv-group-size",
-           "32", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = _start("mlxcache.serve", "--model", str(tmp_path / "model"), "--num-slots",
+                       "1024", "--kv-bits", "8", "--kv-group-size", "32")
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
         def ask(chat: list[dict]):
@@ -161,10 +159,4 @@ def test_an_mlxcache_server_with_kv_bits_answers_as_mlx_lm_does(tmp_path):
         assert again.choices[0].message.content == answers[0].choices[0].message.content
         assert again.usage.prompt_tokens_details.cached_tokens > 40
     finally:
-        proc.terminate()
-        try:
-            assert proc.wait(60) in (0, -15)
-            out = proc.stdout.read()
-            assert "Traceback" not in out, out
-        finally:
-            proc.kill()
+        _stop(proc)
