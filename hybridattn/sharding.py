@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Shaped
@@ -181,8 +182,6 @@ def to_host(x: Any) -> np.ndarray:
     """
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
-    from jax.experimental import multihost_utils  # (multi-process only)
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hybridattn.engine.core import Core
 from servecore.engine import Event
@@ -225,8 +226,6 @@ def plan_digest(plan: Any) -> bytes:
 
 def _disagree(digest: bytes) -> list[int]:
     """The processes whose ``digest`` differs from process 0's (every process calls it)."""
-    from jax.experimental import multihost_utils
-
     got = np.asarray(multihost_utils.process_allgather(np.frombuffer(digest, np.uint32)))
     return [k for k in range(len(got)) if not (got[k] == got[0]).all()]
 
@@ -242,8 +241,6 @@ def _drop(event: Event) -> None:
 def _broadcast(inputs: list[tuple] | None) -> list[tuple]:
     """Process 0's ``inputs`` on every process (the others pass None): their pickled bytes,
     their length first, padded to a power of two (a compile per size class)."""
-    from jax.experimental import multihost_utils
-
     data = pickle.dumps(inputs) if inputs is not None else b""
     size = int(multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int64))[0])
     width = 1 << max(size - 1, 0).bit_length()
