@@ -120,6 +120,8 @@ class Core:
         # within the int32 seeds the device holds
         self._default_seeds = default_seeds()
         self._emit: Callable[[Event], None] = _nowhere
+        # called with each round's plan before it is dispatched (``engine.processes``)
+        self.on_plan: Callable[[StepPlan | ShardedPlan | None], None] = _no_check
 
     # ---------------------------------------------------------------- EngineCore ----
 
@@ -248,6 +250,7 @@ class Core:
         self._admit()
         t_plan = time.perf_counter()
         plan = self.scheduler.plan()
+        self.on_plan(plan)
         if plan is None:
             return ran
         run = self._launch(plan, t_plan)
@@ -384,6 +387,10 @@ class Core:
         self.clock.host_time(run, prefill, t_wait, now,
                              nxt is not None and not nxt.tokens.is_ready())
         self.runner.flush_ops(sched)
+
+
+def _no_check(plan: StepPlan | ShardedPlan | None) -> None:
+    """``Core.on_plan`` of an engine on one process: nothing to check."""
 
 
 def _nowhere(event: Event) -> None:

@@ -86,18 +86,11 @@ class ProcessGroupCore:
         geometry = repr((core.capacity, core.shard_capacity, core.runner.max_running_requests,
                          core.buckets, core.opts.max_context_len, core.opts.snapshot_interval,
                          core.opts.prefix_cache)).encode()
-        if not _agree(hashlib.blake2b(geometry, digest_size=16).digest()):
+        if _disagree(hashlib.blake2b(geometry, digest_size=16).digest()):
             raise ValueError("the processes built engines of different sizes (an automatic "
                              "pool sizes itself from each host's free memory): give "
                              "num_token_slots and num_snapshot_slots, the same everywhere")
-        plan = core.scheduler.plan
-
-        def checked_plan(*args: Any, **kwargs: Any) -> Any:  # before the step is dispatched
-            out = plan(*args, **kwargs)
-            self._check(plan_digest(out), "plan for this round")
-            return out
-
-        core.scheduler.plan = checked_plan
+        core.on_plan = lambda plan: self._check(plan_digest(plan), "plan for this round")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.core, name)
@@ -228,10 +221,6 @@ def _disagree(digest: bytes) -> list[int]:
     """The processes whose ``digest`` differs from process 0's (every process calls it)."""
     got = np.asarray(multihost_utils.process_allgather(np.frombuffer(digest, np.uint32)))
     return [k for k in range(len(got)) if not (got[k] == got[0]).all()]
-
-
-def _agree(digest: bytes) -> bool:
-    return not _disagree(digest)
 
 
 def _drop(event: Event) -> None:

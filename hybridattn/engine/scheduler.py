@@ -429,7 +429,6 @@ class ShardedScheduler:
         self.kv_buckets = tuple(kv_buckets)
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
-        self.snapshot_buckets = tuple(snapshot_buckets)
 
     @property
     def tree(self) -> tuple | None:
