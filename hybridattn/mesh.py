@@ -110,11 +110,11 @@ def local_config(config: KimiLinearConfig, tensor: int) -> KimiLinearConfig:
         intermediate_size=config.intermediate_size // tensor)
 
 
-def _is_spec(x) -> bool:
+def is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _shard_shape(shape, spec, sizes) -> tuple[int, ...]:
+def shard_shape(shape, spec, sizes) -> tuple[int, ...]:
     out = list(shape)
     for i, axes in enumerate(spec):
         for a in (axes,) if isinstance(axes, str) else (axes or ()):

@@ -62,8 +62,8 @@ from hybridattn.mesh import (
     BATCH_SPEC,
     DATA,
     TENSOR,
-    _is_spec,
     check_divisible,
+    is_spec,
     local_config,
     mesh_sizes,
     state_specs,
@@ -307,7 +307,7 @@ class ShardedStep:
                                        mesh_shape=like.mesh_shape)
 
     def _shardings(self, tree_specs):
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), tree_specs, is_leaf=_is_spec)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), tree_specs, is_leaf=is_spec)
 
     def abstract(self, state):
         """``state``'s shapes (arrays or ``ShapeDtypeStruct``\\ s) as ``ShapeDtypeStruct``\\ s

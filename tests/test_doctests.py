@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_api_docs import HYBRIDATTN_API, MLXCACHE_API, SERVECORE_API, mlxcache_params
 
-HYBRIDATTN_MODULES = ["hybridattn", "hybridattn._pytree", *HYBRIDATTN_API]
+HYBRIDATTN_MODULES = ["hybridattn", "hybridattn.pytree", *HYBRIDATTN_API]
 
 
 def _run(name):

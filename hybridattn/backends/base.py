@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.pools import (
     HybridReqToTokenPool,
     LayerRef,
     MLATokenPool,
     RecurrentStatePool,
 )
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "AttnBackend",

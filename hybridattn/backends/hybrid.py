@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.backends.base import ForwardMode, HybridLinearAttentionBackendMetadata, _layer_id
 from hybridattn.backends.kda import KDAAttnBackend
 from hybridattn.config import KimiLinearConfig
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "HybridLinearAttnBackend",

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.backends.base import (
     ForwardBatch,
     ForwardMode,
@@ -21,12 +20,13 @@ from hybridattn.backends.base import (
 )
 from hybridattn.config import KimiLinearConfig
 from hybridattn.ops.conv import short_conv
-from hybridattn.ops.kda import _recurrent_steps, kda_chunked, kda_decode, l2norm
+from hybridattn.ops.kda import kda_chunked, kda_decode, l2norm, recurrent_steps
 from hybridattn.pools import (
     get_linear_recurrent_indices,
     get_states,
     set_states,
 )
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "KDAAttnBackend",
@@ -310,7 +310,7 @@ def _packed_recurrent(q, k, v, g, beta, initial_state, cu_seqlens, max_len: int)
         x = jnp.concatenate([x.astype(jnp.float32), jnp.zeros((1,) + x.shape[1:], jnp.float32)])
         return x[tok.T]
 
-    o, final = _recurrent_steps(*(side_by_side(x) for x in (q, k, v, g, beta)),
+    o, final = recurrent_steps(*(side_by_side(x) for x in (q, k, v, g, beta)),
                                 initial_state[:-1], jnp.max(lens))
     out = jnp.zeros((T + 1,) + o.shape[2:], v.dtype).at[tok].set(
         jnp.swapaxes(o, 0, 1).astype(v.dtype))[:T]

@@ -8,7 +8,6 @@ from typing import no_type_check
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.backends.base import (
     ForwardBatch,
     ForwardMode,
@@ -25,6 +24,7 @@ from hybridattn.pools import (
     get_token_slots,
     set_mla_kv,
 )
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "MLAAttnBackend",

@@ -40,7 +40,7 @@ import numpy as np
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models import kimi_linear as M
-from hybridattn.models.kimi_linear.mlp import _MAX_PAIRS
+from hybridattn.models.kimi_linear.mlp import MAX_PAIRS
 from servecore.validate import check_int
 
 __all__ = [
@@ -470,7 +470,7 @@ def products_step(config: KimiLinearConfig, rows: int, seed: int = 0):
     """
     rows = check_int("rows", rows, 1)
     c = config
-    pairwise = rows * c.num_experts_per_token <= min(c.num_experts, _MAX_PAIRS)
+    pairwise = rows * c.num_experts_per_token <= min(c.num_experts, MAX_PAIRS)
     rng = np.random.default_rng(seed)
     layers, head = _products_weights(c, rng, pairwise)
     x = jnp.asarray(rng.standard_normal((rows, c.hidden_size), np.float32))

@@ -49,7 +49,7 @@ from hybridattn.serving import (
     step,
     token_logprobs,
 )
-from hybridattn.serving.decode import _padding_unless
+from hybridattn.serving.decode import padding_unless
 
 __all__ = ["Follow", "Run", "Runner", "largest_step_bytes", "logprob_width", "work_items"]
 
@@ -175,7 +175,7 @@ def _follow(batch, prev_tokens, cols, last, stop_token_ids):
     keep = (batch.req_pool_indices > 0) & ~dead
     if batch.forward_mode == ForwardMode.DECODE:  # one token per row, at the row's index
         ids = jnp.where(fed, tok, batch.input_ids)
-        return _padding_unless(batch.replace(input_ids=ids), keep)
+        return padding_unless(batch.replace(input_ids=ids), keep)
     ext = batch.extend_seq_lens
     T = batch.input_ids.shape[0]
     start = jnp.cumsum(ext) - ext  # each row's first token

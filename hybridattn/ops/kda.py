@@ -249,7 +249,7 @@ def kda_recurrent(
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), final
 
 
-def _recurrent_steps(q, k, v, g, beta, initial_state, steps):
+def recurrent_steps(q, k, v, g, beta, initial_state, steps):
     """``kda_recurrent`` over the first ``steps`` (a traced int at most ``T``) of ``T``
     time-major f32 inputs (``[T, B, H, D]``): ``(o [T, B, H, Dv], final)``, ``o`` zero past
     ``steps``. Where every token past ``steps`` is neutral (``k = 0``, ``g = 0``) that is

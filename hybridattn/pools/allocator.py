@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from hybridattn._pytree import pytree_dataclass
+from hybridattn.pytree import pytree_dataclass
 from servecore.errors import PoolExhausted
 
 __all__ = [

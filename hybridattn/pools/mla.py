@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.pools.allocator import _check_int
 from hybridattn.pools.indexing import LayerRef, _check_layer_ids, _layer_index, _scatter_rows
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "MLATokenPool",

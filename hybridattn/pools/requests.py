@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.pools.allocator import SlotAllocator, _check_int, alloc, claim, free
 from hybridattn.pools.indexing import _two_or_more
+from hybridattn.pytree import pytree_dataclass
 from servecore.errors import PoolExhausted
 
 __all__ = [

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.pools.allocator import _check_int
 from hybridattn.pools.indexing import (
     LayerRef,
@@ -18,6 +17,7 @@ from hybridattn.pools.indexing import (
     _scatter_rows,
     _two_or_more,
 )
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "RecurrentStatePool",

@@ -20,7 +20,7 @@ __all__ = [
     "decode_steps",
 ]
 
-def _padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWorkerBatch:
+def padding_unless(batch: ModelWorkerBatch, keep: Bool[Array, " B"]) -> ModelWorkerBatch:
     """``batch`` with the rows where ``keep`` is False turned into padding (row 0, no new
     token): they allocate no token slot and write only the slot-0 sinks."""
     zero = jnp.zeros_like(batch.req_pool_indices)
@@ -137,10 +137,10 @@ def decode_steps(
         hit = jnp.any(tok[:, None] == stop_token_ids, axis=1)
         alive = stepped & ~hit & (ran < limits)
         # finished rows run as padding from here on (next_decode keeps padding as padding)
-        batch = _padding_unless(batch.next_decode(tok), alive)
+        batch = padding_unless(batch.next_decode(tok), alive)
         return i + 1, state, batch, alive, ran, ok, tokens, slots
 
-    carry = (jnp.int32(0), state, _padding_unless(batch, alive), alive,
+    carry = (jnp.int32(0), state, padding_unless(batch, alive), alive,
              jnp.zeros(B, jnp.int32), jnp.bool_(True), tokens, slots)
     _, state, _, _, _, ok, tokens, slots = jax.lax.while_loop(cond, body, carry)
     return (state, tokens, ok, slots) if return_slots else (state, tokens, ok)

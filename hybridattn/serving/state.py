@@ -12,21 +12,21 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.backends import (
     HybridLinearAttnBackend,
     MLAAttnBackend,
     attn_backend_wrapper,
 )
 from hybridattn.config import KimiLinearConfig
-from hybridattn.mesh import _is_spec, check_divisible, mesh_sizes, state_specs
-from hybridattn.models.kimi_linear.params import _check_supported
+from hybridattn.mesh import check_divisible, is_spec, mesh_sizes, state_specs
+from hybridattn.models.kimi_linear.params import check_supported
 from hybridattn.pools import (
     HybridReqToTokenPool,
     MLATokenPool,
     RecurrentStatePool,
     SlotAllocator,
 )
+from hybridattn.pytree import pytree_dataclass
 from servecore.validate import check_int
 
 __all__ = [
@@ -111,7 +111,7 @@ class ServingState:
                 config, mesh, max_running_requests=max_running_requests,
                 max_context_len=max_context_len, num_token_slots=num_token_slots, dtype=dtype,
                 chunk_size=chunk_size, seed=seed, num_snapshot_slots=num_snapshot_slots)
-        _check_supported(config)
+        check_supported(config)
         if not config.kda_layer_ids or not config.full_attention_layer_ids:
             raise ValueError(
                 f"ServingState serves hybrid models: KDA layers {config.kda_layer_ids} and MLA "
@@ -228,5 +228,5 @@ def create_state(config: KimiLinearConfig, mesh: jax.sharding.Mesh, *,
 
     shapes = jax.eval_shape(build)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(shapes),
-                             is_leaf=_is_spec)
+                             is_leaf=is_spec)
     return jax.jit(build, out_shardings=shardings)()

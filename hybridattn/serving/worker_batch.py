@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.backends import (
     ForwardMode,
     SnapshotSpec,
 )
+from hybridattn.pytree import pytree_dataclass
 from hybridattn.serving.state import ServingState
 from servecore.sampling import SamplingParams
 from servecore.validate import check_int, token_ids

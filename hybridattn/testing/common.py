@@ -22,7 +22,6 @@ import numpy as np
 
 from hybridattn import pools
 from hybridattn.pools import SlotAllocator
-from hybridattn.pools.allocator import _check_int
 from hybridattn.serving import release
 
 
@@ -53,7 +52,8 @@ def int_tuple(name: str, values, minimum: int = 1) -> tuple[int, ...]:
 
 
 def checked_int(name: str, value, minimum: int) -> int:
-    _check_int(name, value, minimum)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 

@@ -485,7 +485,7 @@ def test_bench_flop_count_matches_the_kernels_matmuls(T, C, Dv):
 
 @pytest.mark.parametrize("steps", [0, 3, 7])
 def test_recurrence_stopped_after_the_last_live_token_equals_the_whole_recurrence(steps):
-    """``ops.kda._recurrent_steps`` (the CPU short-extend path of ``KDAAttnBackend``) over the
+    """``ops.kda.recurrent_steps`` (the CPU short-extend path of ``KDAAttnBackend``) over the
     first ``steps`` tokens, the rest neutral (``q = k = v = g = beta = 0``): the state and the
     outputs are ``kda_recurrent``'s over all of them (bit for bit on a CPU; to rounding
     elsewhere)."""
@@ -495,6 +495,6 @@ def test_recurrence_stopped_after_the_last_live_token_equals_the_whole_recurrenc
     beta = jnp.where(live, beta, 0)
     want_o, want_s = ops.kda_recurrent(q, k, v, g, beta, initial_state=s0)
     t_major = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
-    o, s = jax.jit(kda._recurrent_steps)(*map(t_major, (q, k, v, g, beta)), s0, steps)
+    o, s = jax.jit(kda.recurrent_steps)(*map(t_major, (q, k, v, g, beta)), s0, steps)
     np.testing.assert_allclose(np.asarray(jnp.moveaxis(o, 0, 1)), np.asarray(want_o), atol=1e-6)
     np.testing.assert_allclose(np.asarray(s), np.asarray(want_s), atol=1e-6)

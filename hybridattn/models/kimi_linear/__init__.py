@@ -39,7 +39,12 @@ from hybridattn.models.kimi_linear.layers import (
 )
 from hybridattn.models.kimi_linear.layout import checkpoint_layout, serving_layout, to_checkpoint
 from hybridattn.models.kimi_linear.mlp import dense_mlp, route, routed_experts, sparse_moe
-from hybridattn.models.kimi_linear.params import check_params, init_params, param_shapes
+from hybridattn.models.kimi_linear.params import (
+    check_params,
+    check_supported,
+    init_params,
+    param_shapes,
+)
 from hybridattn.models.kimi_linear.partitioning import (
     PARAM_RULES,
     param_shardings,
@@ -70,6 +75,7 @@ __all__ = [
     "GroupedLayers",
     "StackedLayers",
     "apply",
+    "check_supported",
     "check_params",
     "checkpoint_layout",
     "compiled_layers",

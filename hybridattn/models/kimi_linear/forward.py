@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models.kimi_linear.layers import _attend, _mlp, decoder_layer
-from hybridattn.models.kimi_linear.params import _check_supported
+from hybridattn.models.kimi_linear.params import check_supported
 from hybridattn.models.kimi_linear.primitives import Params, rms_norm
 from hybridattn.models.kimi_linear.stacking import GroupedLayers, StackedLayers, _mlp_apart
 from hybridattn.pools import LayerRef
@@ -49,7 +49,7 @@ def forward(
     >>> hidden.shape, batch.token_to_kv_pool.c_kv.shape  # [T, D]; the updated MLA pool
     ((3, 32), (1, 9, 32))
     """
-    _check_supported(config)
+    check_supported(config)
     x = params["model"]["embed_tokens"]["weight"][batch.input_ids]
     layers = params["model"]["layers"]
     if isinstance(layers, StackedLayers):

@@ -92,7 +92,7 @@ def _moe_blocks(pairs: int, num_experts: int) -> int:
     return -(-pairs // _MOE_BLOCK) + num_experts
 
 
-_MAX_PAIRS = 32  # token-expert pairs up to which the CPU path takes them one at a time
+MAX_PAIRS = 32  # token-expert pairs up to which the CPU path takes them one at a time
 
 
 def _pairwise_experts(x, idx, weights, experts):
@@ -225,7 +225,7 @@ def routed_experts(
         local = idx - first_expert
         here = (local >= 0) & (local < E)
         idx, weights = jnp.clip(local, 0, E - 1), jnp.where(here, weights, 0.0)
-    if jax.default_backend() == "cpu" and N * k <= min(E, _MAX_PAIRS):
+    if jax.default_backend() == "cpu" and N * k <= min(E, MAX_PAIRS):
         out = _pairwise_experts(x, idx, weights, experts)
     elif N * k <= E:
         h = (jax.nn.silu(jnp.einsum("nd,nkid->nki", x, w1[idx]))

@@ -19,11 +19,12 @@ from hybridattn.models.kimi_linear.primitives import Params
 
 __all__ = [
     "check_params",
+    "check_supported",
     "init_params",
     "param_shapes",
 ]
 
-def _check_supported(config: KimiLinearConfig) -> None:
+def check_supported(config: KimiLinearConfig) -> None:
     if config.q_lora_rank is not None:
         raise ValueError(
             f"KimiLinearConfig.q_lora_rank={config.q_lora_rank} (low-rank query projection) is "
@@ -160,7 +161,7 @@ def param_shapes(config: KimiLinearConfig, dtype=jnp.float32) -> Params:
     ...     "experts"]["w2"].shape
     (4, 64, 32)
     """
-    _check_supported(config)
+    check_supported(config)
     D = config.hidden_size
 
     def s(*shape, dt=dtype):

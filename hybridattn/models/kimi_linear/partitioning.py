@@ -15,11 +15,11 @@ from hybridattn.mesh import (
     DATA,
     EXPERTS,
     TENSOR,
-    _is_spec,
-    _shard_shape,
     check_divisible,
+    is_spec,
     local_config,
     mesh_sizes,
+    shard_shape,
 )
 from hybridattn.models.kimi_linear.params import param_shapes
 from hybridattn.models.kimi_linear.stacking import STACKED, stack_layer_list
@@ -104,14 +104,14 @@ def param_specs(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp.flo
         lambda path, _: PARAM_RULES.get(_leaf_key(path, config), P()), shapes)
     local = jax.tree.leaves(param_shapes(local_config(config, tensor), dtype))
     for (path, full), spec, loc in zip(jax.tree_util.tree_leaves_with_path(shapes),
-                                       jax.tree.leaves(specs, is_leaf=_is_spec), local,
+                                       jax.tree.leaves(specs, is_leaf=is_spec), local,
                                        strict=True):
         # MoE leaves split experts or shared-expert channels, which a config cannot shrink
         # without shrinking the routed experts too: divisibility is all we check there.
         if _leaf_key(path, config).startswith("moe."):
-            _shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
+            shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
         elif tuple(spec):
-            per_device = _shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
+            per_device = shard_shape(full.shape, spec, {DATA: data, TENSOR: tensor})
             if per_device != loc.shape:
                 raise ValueError(f"{jax.tree_util.keystr(path)}: PARAM_RULES split {full.shape}"
                                  f" to {per_device} per device; param_shapes of the per-device"
@@ -134,7 +134,7 @@ def stacked_param_specs(specs, config: KimiLinearConfig):
         return specs
     stacked = stack_layer_list(
         layers, config,
-        lambda items: jax.tree.map(lambda sp: P(None, *sp), items[0], is_leaf=_is_spec))
+        lambda items: jax.tree.map(lambda sp: P(None, *sp), items[0], is_leaf=is_spec))
     return {**specs, "model": {**specs["model"], "layers": stacked}}
 
 
@@ -152,4 +152,4 @@ def param_shardings(config: KimiLinearConfig, mesh: jax.sharding.Mesh, dtype=jnp
     specs = param_specs(config, mesh, dtype)
     if stacked:
         specs = stacked_param_specs(specs, config)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models.kimi_linear.forward import compute_logits
 from hybridattn.models.kimi_linear.layers import decoder_layer
-from hybridattn.models.kimi_linear.params import _check_supported
+from hybridattn.models.kimi_linear.params import check_supported
 from hybridattn.models.kimi_linear.primitives import Params, rms_norm
 from hybridattn.models.kimi_linear.stacking import unstack_layers
 from hybridattn.ops import kda_chunked, l2norm, short_conv
@@ -116,7 +116,7 @@ def apply(
     >>> bool(jnp.allclose(other[:, :-1], logits[:, :-1], atol=1e-5))
     True
     """
-    _check_supported(config)
+    check_supported(config)
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(f"input_ids must be an integer array [B, T], got dtype "

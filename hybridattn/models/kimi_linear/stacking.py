@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hybridattn._pytree import pytree_dataclass
 from hybridattn.config import KimiLinearConfig
 from hybridattn.models.kimi_linear.primitives import Params
+from hybridattn.pytree import pytree_dataclass
 
 __all__ = [
     "STACKED",
