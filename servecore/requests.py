@@ -33,17 +33,19 @@ as in ``hybridattn``'s scheduler, whose requests carry ``max_tokens`` and ``stop
 >>> build([[3], [4]], 2, top_p=[1.0, 0.0])
 Traceback (most recent call last):
 ...
-ValueError: prompt 1: top_p=0.0 must be in (0, 1]
+servecore.errors.InvalidRequest: prompt 1: top_p=0.0 must be in (0, 1]
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from servecore.errors import InvalidRequest
 from servecore.prompts import encode_prompt
 from servecore.sampling import SamplingParams
 from servecore.validate import check_int, prompt_list, stop_ids
@@ -143,7 +145,7 @@ class RequestBuilder:
     >>> RequestBuilder(vocab_size=16, check=fits)([[1, 2], [3] * 8], 2)
     Traceback (most recent call last):
     ...
-    ValueError: prompt 1 needs 9 positions, more than 8
+    servecore.errors.InvalidRequest: prompt 1 needs 9 positions, more than 8
     """
 
     def __init__(self, *, vocab_size: int, tokenizer: Any = None,
@@ -162,30 +164,31 @@ class RequestBuilder:
         """
         if stop_token_ids is None:
             return self.eos_ids
-        return stop_ids(stop_token_ids, self.vocab_size)
+        with _field("stop_token_ids", stop_token_ids):
+            return stop_ids(stop_token_ids, self.vocab_size)
 
     def __call__(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
                  temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
                  stop_token_ids: Any = None, logprobs: Any = None) -> list[GenerationRequest]:
         """One request per prompt (a list of prompts, read once), every value checked before
-        any is returned."""
-        prompts = prompt_list(prompts)
+        any is returned; a bad one is an ``InvalidRequest`` naming it."""
+        with _field("prompts", None):
+            prompts = prompt_list(prompts)
         n = len(prompts)
-        maxes = per_prompt("max_tokens", max_tokens, n)
-        tops = per_prompt("logprobs", logprobs, n)
         given = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        columns = {name: per_prompt(name, value, n) for name, value in given.items()}
-        listed = _listed(max_tokens) or _listed(logprobs) or any(map(_listed, given.values()))
+        columns = {}
+        for name, value in dict(given, max_tokens=max_tokens, logprobs=logprobs).items():
+            with _field(name, value):
+                columns[name] = per_prompt(name, value, n)
+        listed = any(map(_listed, (max_tokens, logprobs, *given.values())))
         stop = self.stop(stop_token_ids)
         out = []
         for i, prompt in enumerate(prompts):
             where = f"prompt {i}"
-            try:
-                sampling = SamplingParams(**{name: col[i] for name, col in columns.items()})
-                limit = check_int("max_tokens", maxes[i], 1)
-                top = _logprobs(tops[i])
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}" if listed else str(e)) from None
+            with _field(None, None, where if listed else ""):
+                sampling = _sampling({name: columns[name][i] for name in given})
+                limit = _max_tokens(columns["max_tokens"][i])
+                top = _logprobs(columns["logprobs"][i])
             out.append(self._make(where, prompt, limit, sampling, stop, top))
         return out
 
@@ -199,20 +202,53 @@ class RequestBuilder:
         >>> RequestBuilder(vocab_size=16).one([3], 2, logprobs=21)
         Traceback (most recent call last):
         ...
-        ValueError: logprobs=21 must be None or an int in [0, 20]
+        servecore.errors.InvalidRequest: logprobs=21 must be None or an int in [0, 20]
         """
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        limit = check_int("max_tokens", max_tokens, 1)
-        return self._make("prompt", prompt, limit, sampling, self.stop(stop_token_ids),
-                          _logprobs(logprobs))
+        sampling = _sampling(dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed))
+        return self._make("prompt", prompt, _max_tokens(max_tokens), sampling,
+                          self.stop(stop_token_ids), _logprobs(logprobs))
 
     def _make(self, name: str, prompt: Any, max_tokens: int, sampling: SamplingParams,
               stop: frozenset[int], logprobs: int | None = None) -> GenerationRequest:
-        tokens = encode_prompt(name, prompt, self.tokenizer, self.vocab_size)
+        with _field("prompt", None):
+            tokens = encode_prompt(name, prompt, self.tokenizer, self.vocab_size)
         req = GenerationRequest(tokens, max_tokens, sampling, stop, logprobs)
         if self._check is not None:
-            self._check(name, req)
+            with _field("prompt", len(tokens)):
+                self._check(name, req)
         return req
+
+
+@contextlib.contextmanager
+def _field(name: str | None, value: Any, where: str = "") -> Iterator[None]:
+    """A ``ValueError`` inside becomes an ``InvalidRequest`` of field ``name`` (one already
+    typed keeps its field); ``where`` (``"prompt 2"``) starts the message."""
+    try:
+        yield
+    except InvalidRequest as e:
+        if not where:
+            raise
+        raise InvalidRequest(f"{where}: {e.reason}", field=e.field, value=e.value) from None
+    except ValueError as e:
+        reason = f"{where}: {e}" if where else str(e)
+        raise InvalidRequest(reason, field=name or "prompt", value=value) from None
+
+
+def _sampling(values: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams(**values)``; a bad value is an ``InvalidRequest`` naming its field."""
+    try:
+        return SamplingParams(**values)
+    except ValueError:
+        for name, value in values.items():
+            with _field(name, value):
+                SamplingParams(**{name: value})
+        raise
+
+
+def _max_tokens(value: Any) -> int:
+    with _field("max_tokens", value):
+        return check_int("max_tokens", value, 1)
 
 
 def _logprobs(value: Any) -> int | None:
@@ -221,5 +257,6 @@ def _logprobs(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | np.integer) \
             or not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs={value!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+        raise InvalidRequest(f"logprobs={value!r} must be None or an int in [0, "
+                             f"{MAX_LOGPROBS}]", field="logprobs", value=value)
     return int(value)

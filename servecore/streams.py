@@ -48,7 +48,6 @@ False
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -92,31 +91,26 @@ class Streams:
 
     # ------------------------------------------------------------------ requests ----
 
-    def add_request(self, prompt: Any, max_tokens: Any = None, *,
+    def add_request(self, prompt: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
                     temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                    stop_token_ids: Any = None, max_new_tokens: Any = None,
-                    logprobs: Any = None) -> int:
+                    stop_token_ids: Any = None, logprobs: Any = None) -> int:
         """Queue one request; returns its id. ``step`` returns its tokens (``step_events``
         with their ``logprobs`` when it asked for them). The arguments are those of
-        ``servecore.requests`` (``max_tokens``: default ``DEFAULT_MAX_TOKENS``;
-        ``max_new_tokens`` is its old name, deprecated)."""
-        max_tokens = _max_tokens(max_tokens, max_new_tokens)
+        ``servecore.requests``."""
         with self._entered():
             req = self.build.one(prompt, max_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
                                  logprobs=logprobs)
             return self._submit([req], self._steps)[0]
 
-    def stream(self, prompts: Any, max_tokens: Any = None, *,
+    def stream(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
                temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-               stop_token_ids: Any = None, progress: bool = False,
-               max_new_tokens: Any = None) -> Stream:
+               stop_token_ids: Any = None, progress: bool = False) -> Stream:
         """Queue one request per prompt (all checked before any is queued) and return the
         ``Stream`` of their ``(prompt index, token)``; iterating it advances the engine.
         ``max_tokens`` and each sampling argument is one value or one per prompt
         (``servecore.requests``); ``progress`` draws a tqdm bar of the tokens on stderr when it
         is a terminal."""
-        max_tokens = _max_tokens(max_tokens, max_new_tokens)
         with self._entered():
             reqs = self.build(prompts, max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
@@ -125,14 +119,13 @@ class Streams:
             stream._left = set(stream._rids)
             return stream
 
-    def generate(self, prompts: Any, max_tokens: Any = None, *,
+    def generate(self, prompts: Any, max_tokens: Any = DEFAULT_MAX_TOKENS, *,
                  temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                 stop_token_ids: Any = None, progress: bool = False, text: bool = False,
-                 max_new_tokens: Any = None) -> list[list[int]] | list[str]:
+                 stop_token_ids: Any = None, progress: bool = False, text: bool = False
+                 ) -> list[list[int]] | list[str]:
         """The new tokens of each prompt (a stop token, when hit, is the last), or with
         ``text=True`` their text without the stop token that ended them. The arguments are
         ``stream``'s."""
-        max_tokens = _max_tokens(max_tokens, max_new_tokens)
         check_text(text, self.build.tokenizer)
         stream = self.stream(prompts, max_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, seed=seed, stop_token_ids=stop_token_ids,
@@ -282,18 +275,6 @@ class Streams:
         return _Entered(self)
 
 
-def _max_tokens(max_tokens: Any, max_new_tokens: Any) -> Any:
-    """``max_tokens``, or its deprecated old name ``max_new_tokens`` (with a warning)."""
-    if max_new_tokens is None:
-        return DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    warnings.warn("max_new_tokens is deprecated: call it max_tokens (the name of both engines "
-                  "and of the OpenAI API)", DeprecationWarning, stacklevel=3)
-    if max_tokens is not None:
-        raise ValueError(f"max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r} are "
-                         "one argument: give max_tokens only")
-    return max_new_tokens
-
-
 _REENTERED = ("the engine was called from inside one of its own steps (by the model or the "
               "tokenizer?); it serves one step at a time")
 
@@ -365,6 +346,11 @@ class Stream(Iterator[tuple[int, int]]):
     def request_ids(self) -> list[int]:
         """The engine's request id of each prompt, in prompt order (for ``abort``)."""
         return list(self._rids)
+
+    def describe(self, text: str) -> None:
+        """Name what the progress bar counts (no effect without one)."""
+        if self._bar is not None:
+            self._bar.set_description(text)
 
     def __iter__(self) -> Stream:
         return self

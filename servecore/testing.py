@@ -3,6 +3,7 @@
 ``FakeCore`` is an ``servecore.engine.EngineCore`` without a model: each request's tokens are
 ``fake_tokens(request)``, a function of the request alone, one per round, so a test of the
 shared layers (``servecore.streams``, the server) knows what every caller must receive.
+``FakeEngine`` is the front door (``servecore.client.EngineClient``) over one.
 
 
 ``word_tokenizer(V)`` is a Hugging Face fast tokenizer (the ``tokenizers`` package's
@@ -40,11 +41,13 @@ import os
 from collections import deque
 from typing import Any
 
+from servecore.client import EngineClient
 from servecore.engine import Event, TokenLogprobs
 from servecore.requests import GenerationRequest, finish_reason
+from servecore.stats import ServingStats
 
-__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "FakeCore", "FakeFailure", "fake_logprobs", "fake_tokens",
-           "save_word_tokenizer", "word_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "FIRST_WORD", "FakeCore", "FakeEngine", "FakeFailure",
+           "fake_logprobs", "fake_tokens", "save_word_tokenizer", "word_tokenizer"]
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -225,3 +228,26 @@ def fake_logprobs(token: int, k: int | None, vocab_size: int) -> TokenLogprobs |
     if k is None:
         return None
     return TokenLogprobs(-0.5, tuple(((token + i) % vocab_size, -0.5 - i) for i in range(k)))
+
+
+class FakeEngine(EngineClient):
+    """An engine over a ``FakeCore`` (``core``; or one given, a subclass that is slow or
+    fails, say): the front door without a model, for tests of the layers above it (the
+    server).
+
+    >>> engine = FakeEngine(rows=2)
+    >>> engine.generate([[1, 2]], 3), engine.stats.requests
+    ([[3, 10, 17]], 0)
+    """
+
+    def __init__(self, core: FakeCore | None = None, *, rows: int = 3, vocab_size: int = 32,
+                 tokenizer: Any = None, eos_ids: frozenset[int] = frozenset()):
+        self.core = core if core is not None else FakeCore(rows=rows, vocab_size=vocab_size)
+        super().__init__(self.core, vocab_size=vocab_size, tokenizer=tokenizer,
+                         eos_ids=eos_ids, name="FakeEngine")
+        self.stats = ServingStats()
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """Nothing is held: no pools."""
+        return {}

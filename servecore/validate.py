@@ -21,6 +21,7 @@ ValueError: prompt 0: token 0 is 1.0 (float), not an int
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "check_real",
     "eos_token_ids",
     "is_int",
+    "options_of",
     "plain_ints",
     "prompt_list",
     "stop_ids",
@@ -82,6 +84,30 @@ def check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
     if not is_int(value) or not lo <= int(value) <= hi:
         raise ValueError(f"{name}={value!r} must be an int in [{lo}, {hi}]")
     return int(value)
+
+
+def options_of(cls: Any, given: dict[str, Any], owner: str) -> Any:
+    """``cls(**given)`` for an options dataclass ``cls``, a name that is none of its fields a
+    ``TypeError`` that lists them (``owner`` is what was called).
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Opts:
+    ...     size: int = 1
+    >>> options_of(Opts, {"size": 2}, "Engine()")
+    Opts(size=2)
+    >>> options_of(Opts, {"szie": 2}, "Engine()")
+    Traceback (most recent call last):
+    ...
+    TypeError: Engine() has no option 'szie': its options are Opts's fields (size)
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        listed = ", ".join(repr(k) for k in unknown)
+        raise TypeError(f"{owner} has no option {listed}: its options are {cls.__name__}'s "
+                        f"fields ({', '.join(names)})")
+    return cls(**given)
 
 
 def check_real(name: str, value: Any) -> float:

@@ -292,17 +292,9 @@ def test_bad_arguments_are_refused_before_anything_is_queued():
     assert not core.has_work() and front._next_rid == 0
 
 
-def test_max_new_tokens_still_works_for_one_release_with_a_warning():
+def test_max_tokens_defaults_to_default_max_tokens():
     front = Streams(FakeCore(), RequestBuilder(vocab_size=VOCAB))
-    with pytest.warns(DeprecationWarning, match="max_new_tokens is deprecated"):
-        assert front.generate([[1]], max_new_tokens=2) == front.generate([[1]], 2)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give max_tokens"):
-        front.add_request([1], 2, max_new_tokens=3)
-    assert len(front.generate([[1]])[0]) == 256  # the default, DEFAULT_MAX_TOKENS
-    for call in (front.generate, front.stream, front.add_request):  # the caller's line
-        with pytest.warns(DeprecationWarning) as got:
-            call([[1]] if call != front.add_request else [1], max_new_tokens=1)
-        assert got[0].filename == __file__, (call, got[0].filename)
+    assert len(front.generate([[1]])[0]) == 256  # DEFAULT_MAX_TOKENS
 
 
 class _CancelFailsOnce(FakeCore):
