@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from servecore.client import EngineClient
 from servecore.server import anthropic_api, openai_api
 from servecore.server.errors import APIError
 from servecore.server.fields import parse_json
@@ -47,26 +48,24 @@ class Server:
     first token; ``keepalive``: seconds between keep-alive comments while a stream waits;
     ``max_body_bytes``: the largest request body taken, 413 past it).
 
-    >>> from servecore.requests import RequestBuilder
-    >>> from servecore.streams import Streams
-    >>> from servecore.testing import FakeCore, word_tokenizer
-    >>> class Fake:
-    ...     tokenizer = word_tokenizer(32)
-    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
-    >>> Server(Fake(), model_name="m").check_model({"model": "x"})
+    >>> from servecore.testing import FakeEngine, word_tokenizer
+    >>> engine = FakeEngine(tokenizer=word_tokenizer(32))
+    >>> Server(engine, model_name="m").check_model({"model": "x"})
     Traceback (most recent call last):
     ...
     servecore.server.errors.APIError: the model 'x' does not exist here: this server serves 'm'
     """
 
-    def __init__(self, engine: Any, *, model_name: str, max_queue: int = 256,
+    def __init__(self, engine: EngineClient, *, model_name: str, max_queue: int = 256,
                  keepalive: float = 10.0, max_body_bytes: int = 8 << 20):
-        tokenizer = getattr(engine, "tokenizer", None)
-        if tokenizer is None:
+        if not isinstance(engine, EngineClient):
+            raise TypeError(f"the server serves an engine (a servecore.client.EngineClient: "
+                            f"hybridattn.Engine, mlxcache.Engine), got {type(engine).__name__}")
+        if engine.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer (text in, text out)")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.vocab_size = engine.streams.build.vocab_size
-        self.eos = engine.streams.build.eos_ids
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.vocab_size = engine.vocab_size
+        self.eos = engine.eos_ids
         self.model_name, self.keepalive = model_name, keepalive
         self.max_body_bytes = max_body_bytes
         self.worker = EngineWorker(engine, max_waiting=max_queue)
@@ -278,7 +277,7 @@ def _routes(server: Server) -> list[Route]:
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
-        alive = s.worker._thread.is_alive()
+        alive = s.worker.alive
         return JSONResponse({"status": "ok" if alive else "engine thread stopped",
                              "waiting": s.worker.waiting, "running": s.worker.running},
                             status_code=200 if alive else 503)
@@ -286,7 +285,7 @@ def _routes(server: Server) -> list[Route]:
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(s.metrics.render(
             waiting=s.worker.waiting, running=s.worker.running,
-            engine_stats=getattr(s.engine, "stats", None)),
+            engine_stats=s.engine.stats),
             media_type="text/plain; version=0.0.4")
 
     return [Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -299,23 +298,18 @@ def _routes(server: Server) -> list[Route]:
             Route("/metrics", metrics, methods=["GET"])]
 
 
-def create_app(engine: Any, *, model_name: str, max_queue: int = 256,
+def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
                keepalive: float = 10.0, max_body_bytes: int = 8 << 20,
                close_engine: bool = False) -> Starlette:
-    """The server's ASGI application over ``engine`` (a ``hybridattn.Engine`` or
-    ``mlxcache.Engine`` with a tokenizer, or anything with ``streams`` and ``tokenizer``). Its
+    """The server's ASGI application over ``engine`` (a ``servecore.client.EngineClient``
+    with a tokenizer: ``hybridattn.Engine``, ``mlxcache.Engine``). Its
     lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both), then,
     with ``close_engine``, closes the engine (an engine with a disk tier spills its prefixes
     there: on SIGTERM uvicorn ends the process by the signal right after the lifespan, so
     the serve commands close it here); ``app.state.server`` is the ``Server``.
 
-    >>> from servecore.requests import RequestBuilder
-    >>> from servecore.streams import Streams
-    >>> from servecore.testing import FakeCore, word_tokenizer
-    >>> class Fake:
-    ...     tokenizer = word_tokenizer(32)
-    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
-    >>> app = create_app(Fake(), model_name="m")
+    >>> from servecore.testing import FakeEngine, word_tokenizer
+    >>> app = create_app(FakeEngine(tokenizer=word_tokenizer(32)), model_name="m")
     >>> app.state.server.model_name, [r.path for r in app.routes][:2]
     ('m', ['/v1/chat/completions', '/v1/completions'])
     """

@@ -104,12 +104,8 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
     """The answer of ``ask`` (see the module docstring); ``usage`` is filled as it goes.
     ``servecore.testing.FakeCore`` answers prompt ``[17]`` with 17, 24, 31:
 
-    >>> from servecore.requests import RequestBuilder
-    >>> from servecore.streams import Streams
-    >>> from servecore.testing import FakeCore, word_tokenizer
-    >>> class Fake:
-    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
-    >>> worker = EngineWorker(Fake())
+    >>> from servecore.testing import FakeEngine, word_tokenizer
+    >>> worker = EngineWorker(FakeEngine())
     >>> worker.start()
     >>> async def answer():
     ...     usage = Usage()

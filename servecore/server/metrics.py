@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
+
+from servecore.stats import ServingStats
 
 __all__ = ["Metrics"]
 
@@ -88,7 +89,8 @@ class Metrics:
         with self._lock:
             self.latency.observe(seconds)
 
-    def render(self, *, waiting: int, running: int, engine_stats: Any = None) -> str:
+    def render(self, *, waiting: int, running: int,
+               engine_stats: ServingStats | None = None) -> str:
         """Everything, in Prometheus' text format."""
         with self._lock:
             lines = ["# TYPE servecore_requests_total counter"]
@@ -105,10 +107,13 @@ class Metrics:
                       f"servecore_requests_running {running}"]
             lines += self.ttft.lines("servecore_time_to_first_token_seconds")
             lines += self.latency.lines("servecore_request_seconds")
-        for name in ("hit_rate", "cached_tokens", "prompt_tokens", "prefill_tokens",
-                     "decode_tokens", "requests"):
-            value = getattr(engine_stats, name, None)
-            if isinstance(value, int | float) and not isinstance(value, bool):
+        if engine_stats is not None:
+            st = engine_stats
+            for name, value in (("hit_rate", st.hit_rate), ("cached_tokens", st.cached_tokens),
+                                ("prompt_tokens", st.prompt_tokens),
+                                ("prefill_tokens", st.prefill_tokens),
+                                ("decode_tokens", st.decode_tokens),
+                                ("requests", st.requests)):
                 lines += [f"# TYPE servecore_engine_{name} gauge",
                           f"servecore_engine_{name} {value}"]
         return "\n".join(lines) + "\n"

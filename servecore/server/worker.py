@@ -8,7 +8,7 @@ once it is accepted, an ``APIError`` when the engine refuses it, then its
 a cancel lands before the next round runs: a client that left stops costing work within one
 scheduling round, and what its request held is freed at once.
 
-The worker runs ``Streams.step_events`` while any request is unfinished and sleeps on the job
+The worker runs the engine's ``step_events`` while any request is unfinished and sleeps on the job
 queue otherwise. A round that raises is a fault of the engine, not of a request: the requests
 it dropped end with their error (500) and the worker goes on serving; after
 ``MAX_FAILED_ROUNDS`` failures in a row every request still running ends with the error, so a
@@ -24,8 +24,9 @@ import threading
 import time
 from typing import Any
 
+from servecore.client import EngineClient
 from servecore.engine import Event
-from servecore.errors import EngineClosedError
+from servecore.errors import EngineClosedError, InvalidRequest
 from servecore.server.errors import APIError
 
 __all__ = ["MAX_FAILED_ROUNDS", "EngineWorker", "Generation"]
@@ -72,24 +73,19 @@ def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, in
 
 
 class EngineWorker:
-    """Drives ``engine`` (anything with ``streams``, a ``servecore.streams.Streams``) on its
-    own thread (see the module docstring). ``max_waiting`` bounds the requests accepted but
-    not started (no first token yet): ``reserve`` refuses more with a 429.
+    """Drives ``engine`` (a ``servecore.client.EngineClient``) on its own thread (see the
+    module docstring). ``max_waiting`` bounds the requests accepted but not started (no first
+    token yet): ``reserve`` refuses more with a 429.
 
-    >>> from servecore.requests import RequestBuilder
-    >>> from servecore.streams import Streams
-    >>> from servecore.testing import FakeCore
-    >>> class Fake:
-    ...     streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
-    >>> worker = EngineWorker(Fake(), max_waiting=4)
+    >>> from servecore.testing import FakeEngine
+    >>> worker = EngineWorker(FakeEngine(), max_waiting=4)
     >>> worker.start(); worker.waiting
     0
     >>> worker.stop()
     """
 
-    def __init__(self, engine: Any, *, max_waiting: int = 256):
+    def __init__(self, engine: EngineClient, *, max_waiting: int = 256):
         self.engine = engine
-        self.streams = engine.streams
         self.max_waiting = max_waiting
         self._jobs: queue.SimpleQueue[tuple[str, Generation | None, Any]] = queue.SimpleQueue()
         self._live: dict[int, tuple[Generation, int]] = {}  # rid -> (generation, choice)
@@ -128,6 +124,11 @@ class EngineWorker:
             self._waiting = max(0, self._waiting - count)
 
     # ------------------------------------------------------------ the loop's calls ----
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker's thread is serving."""
+        return self._thread.is_alive()
 
     def start(self) -> None:
         """Start the thread."""
@@ -193,10 +194,11 @@ class EngineWorker:
             self._started()
             return
         try:
-            rid = self.streams.add_request(tokens, max_tokens, **sampling)
-        except (ValueError, TypeError) as e:  # the engine's own checks: the prompt's length
+            rid = self.engine.add_request(tokens, max_tokens, **sampling)
+        except InvalidRequest as e:  # the engine's own checks: the prompt's length, say
             self._started()
-            self._post(gen, choice, APIError(400, str(e), param=self._param_of(gen, tokens)))
+            field = gen.prompt_field if e.field == "prompt" else e.field
+            self._post(gen, choice, APIError(400, str(e), param=field))
             return
         except EngineClosedError as e:
             self._started()
@@ -208,21 +210,12 @@ class EngineWorker:
         self.running += 1
         self._post(gen, choice, rid)
 
-    def _param_of(self, gen: Generation, tokens: list[int]) -> str:
-        """The field a refused request is about: its prompt when the prompt alone does not
-        fit, else ``max_tokens``."""
-        try:
-            self.streams.build.one(tokens, 1)
-        except Exception:  # noqa: BLE001 - whatever it is, the prompt alone does not fit
-            return gen.prompt_field
-        return "max_tokens"
-
     def _cancel(self, gen: Generation, choice: int | None) -> None:
         if choice is None:
             gen.cancelled = True
         for c, rid in list(gen.rids.items()):
             if (choice is None or c == choice) and rid in self._live:
-                self.streams.abort(rid)
+                self.engine.abort(rid)
                 self._end(rid)
 
     def _end(self, rid: int) -> None:
@@ -247,7 +240,7 @@ class EngineWorker:
 
     def _round(self) -> None:
         try:
-            events = self.streams.step_events()
+            events = self.engine.step_events()
         except Exception as e:  # a fault of the engine: it named the requests it dropped
             self.failed_rounds += 1
             log.exception("a round failed (%d in a row)", self.failed_rounds)
@@ -277,7 +270,7 @@ class EngineWorker:
     def _abort_all(self, error: APIError) -> None:
         for rid, (gen, choice) in list(self._live.items()):
             try:
-                self.streams.abort(rid)
+                self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
             self._end(rid)

@@ -28,11 +28,9 @@ import pytest
 import wire
 from server_harness import MODEL, hybrid_engine, mlx_engine, serving
 
-from servecore.requests import RequestBuilder
 from servecore.server.generation import Ask, Usage, pieces
 from servecore.server.worker import EngineWorker
-from servecore.streams import Streams
-from servecore.testing import FakeCore, word_tokenizer
+from servecore.testing import FakeEngine, word_tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -43,10 +41,7 @@ def test_a_cancel_that_meets_an_event_still_cancels():
     aborted. (``asyncio.wait_for`` on Python 3.11 returned the item and dropped the cancel:
     the generation then ran to ``max_tokens`` for nobody.)"""
 
-    class Engine:
-        streams = Streams(FakeCore(), RequestBuilder(vocab_size=32))
-
-    worker = EngineWorker(Engine())
+    worker = EngineWorker(FakeEngine())
     gens = []
     submit = worker.submit
     worker.submit = lambda gen, *a, **kw: (gens.append(gen), submit(gen, *a, **kw))[1]
@@ -108,18 +103,18 @@ def _as_prompt(route: str, words: str) -> Any:
 
 def _without_eos(engine, route: str, max_tokens: int, rng) -> Any:
     """A short prompt whose greedy answer runs to ``max_tokens`` (no EOS first)."""
-    vocab = engine.streams.build.vocab_size
+    vocab = engine.vocab_size
     for _ in range(20):
         cands = [_as_prompt(route, wire.random_words(rng, vocab, 6)) for _ in range(4)]
         for prompt, out in zip(cands, engine.generate(cands, max_tokens), strict=True):
-            if len(out) == max_tokens and out[-1] not in engine.streams.build.eos_ids:
+            if len(out) == max_tokens and out[-1] not in engine.eos_ids:
                 return prompt
     raise AssertionError("no prompt generates max_tokens tokens without an EOS")
 
 
 def _setup(engine, max_tokens: int, long_words: dict[str, int]) -> Setup:
     rng = np.random.default_rng(35)
-    vocab = engine.streams.build.vocab_size
+    vocab = engine.vocab_size
     short = {r: _without_eos(engine, r, max_tokens, rng) for r in (CHAT, COMPLETIONS)}
     long = {r: _as_prompt(r, wire.random_words(rng, vocab, long_words[r]))
             for r in (CHAT, COMPLETIONS)}

@@ -52,7 +52,7 @@ def _pool(engine, seed: int = 35) -> list[Item]:
     with a stop string, two plain completions, two Anthropic messages; each with its own
     max_tokens; each answered alone (the oracle)."""
     rng = np.random.default_rng(seed)
-    vocab = engine.streams.build.vocab_size
+    vocab = engine.vocab_size
 
     def words(lo, hi):
         return wire.random_words(rng, vocab, int(rng.integers(lo, hi)))

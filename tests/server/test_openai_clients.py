@@ -244,18 +244,12 @@ def test_a_full_queue_is_a_429_and_then_serves(srv):
                                                          "max_tokens": 2}).status_code == 200
 
 
-class _FakeEngine:
-    """``servecore.testing.FakeCore`` behind ``Streams``: tokens and log-probabilities
-    without a model (``fake_logprobs``: the token at -0.5, the next ids at -1.5, ...)."""
+def _FakeEngine(core=None):
+    """``servecore.testing.FakeEngine``: tokens and log-probabilities without a model
+    (``fake_logprobs``: the token at -0.5, the next ids at -1.5, ...)."""
+    from servecore.testing import FakeEngine, word_tokenizer
 
-    def __init__(self):
-        from servecore.requests import RequestBuilder
-        from servecore.streams import Streams
-        from servecore.testing import FakeCore, word_tokenizer
-
-        self.tokenizer = word_tokenizer(32)
-        self.streams = Streams(FakeCore(vocab_size=32),
-                               RequestBuilder(vocab_size=32, tokenizer=self.tokenizer))
+    return FakeEngine(core, vocab_size=32, tokenizer=word_tokenizer(32))
 
 
 def test_logprobs_in_the_shapes_of_both_openai_apis():
@@ -302,8 +296,7 @@ def test_a_stream_sends_keepalives_while_the_prompt_is_prefilled():
                 time.sleep(0.4)
             return super().run_round(emit)
 
-    fake = _FakeEngine()
-    fake.streams.core = SlowPrefill(vocab_size=32)
+    fake = _FakeEngine(SlowPrefill(vocab_size=32))
     with serving(fake, keepalive=0.05) as srv:
         body = {"model": MODEL, "prompt": "w5", "max_tokens": 2, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body) as r:
@@ -320,12 +313,12 @@ def test_a_fault_of_the_engine_is_a_500_and_the_server_goes_on():
     fake = _FakeEngine()
     with serving(fake) as srv:
         client = srv.openai()
-        fake.streams.core.fail_next = True  # the next round drops what it serves and raises
+        fake.core.fail_next = True  # the next round drops what it serves and raises
         r = httpx.post(srv.url + "/v1/completions",
                        json={"model": MODEL, "prompt": "w5", "max_tokens": 3})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "the engine failed" in r.json()["error"]["message"]
-        fake.streams.core.fail_next = True
+        fake.core.fail_next = True
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "w5"}],
                 "stream": True}) as s:
@@ -407,8 +400,7 @@ def test_clients_that_leave_at_once_are_aborted_within_rounds():
                       b"application/json\r\ncontent-length: %d\r\n\r\n" % len(raw) + raw)
             time.sleep(after)
 
-    fake = _FakeEngine()
-    fake.streams.core = Slow(rows=64, vocab_size=32)
+    fake = _FakeEngine(Slow(rows=64, vocab_size=32))
     rng = random.Random(0)
     with serving(fake) as srv:
         threads = [threading.Thread(target=leave, args=(srv.port, {

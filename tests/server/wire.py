@@ -103,19 +103,18 @@ def random_words(rng: np.random.Generator, vocab_size: int, n: int) -> str:
 @contextlib.contextmanager
 def slowed(engine: Any, seconds: float) -> Iterator[None]:
     """Every engine round takes ``seconds`` longer for the block (the worker's
-    ``streams.step_events``), so that a client can leave at a known point of a generation."""
-    streams = engine.streams
-    step = streams.step_events
+    ``engine.step_events``), so that a client can leave at a known point of a generation."""
+    step = engine.step_events
 
     def slow_step():
         time.sleep(seconds)
         return step()
 
-    streams.step_events = slow_step
+    engine.step_events = slow_step
     try:
         yield
     finally:
-        del streams.step_events
+        del engine.step_events
 
 
 def generated(engine: Any) -> int:
