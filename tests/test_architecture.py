@@ -28,7 +28,7 @@ MAX_FILE, MAX_CLASS, MAX_FUNCTION = 800, 400, 80
 # names a module and everything inside it).
 LAYERS: list[tuple[str, ...]] = [
     ("servecore",),
-    ("hybridattn._pytree", "hybridattn.config"),
+    ("hybridattn.pytree", "hybridattn.config"),
     ("hybridattn.ops",),
     ("hybridattn.pools",),
     ("hybridattn.backends",),
@@ -204,3 +204,54 @@ def test_sizes(module):
             if n > limit:
                 big.append(f"{node.name} ({n} lines, limit {limit})")
     assert not big, f"{path.relative_to(ROOT)}: " + ", ".join(big)
+
+
+FACADES = {"servecore.client": "EngineClient", "hybridattn.engine.engine": "Engine",
+           "mlxcache.engine.engine": "Engine"}
+MAX_FACADE = 250
+"""Lines of each engine's front door: construction and what is truly its own (the calls are
+``servecore.client.EngineClient``'s, the options' manual is on the options' fields)."""
+
+
+@pytest.mark.parametrize("module", sorted(FACADES))
+def test_each_front_door_class_is_small(module):
+    name = FACADES[module]
+    (cls,) = [n for n in TREES[module].body if isinstance(n, ast.ClassDef) and n.name == name]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines < MAX_FACADE, f"{module}.{name}: {lines} lines, limit {MAX_FACADE}"
+
+
+def _folder(module: str) -> str:
+    """The folder a module's file lies in (a package's ``__init__`` in its own)."""
+    path = MODULES[module]
+    return str(path.parent.relative_to(ROOT))
+
+
+def _underscore_imports(module: str):
+    """(line, what) for every first-party import of an underscore name or module."""
+    tree = TREES[module]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                and node.module.split(".")[0] in PACKAGES:
+            source = _resolve(node.module)
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                private = alias.name.startswith("_") or any(
+                    p.startswith("_") and not p.startswith("__") for p in node.module.split("."))
+                if private and source is not None:
+                    yield node.lineno, full, _resolve(full) or source
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in PACKAGES and any(p.startswith("_") and not p.startswith("__")
+                                                for p in parts):
+                    yield node.lineno, alias.name, _resolve(alias.name)
+
+
+def test_no_underscore_name_crosses_a_folder():
+    """A private name (``_name``, or a name inside a ``_module``) is used only in its own
+    folder: what another folder needs is public, listed in its module's ``__all__``."""
+    bad = [f"{m}:{line} imports {what}" for m in MODULES
+           for line, what, source in _underscore_imports(m)
+           if source is not None and _folder(source) != _folder(m)]
+    assert not bad, "\n".join(bad)

@@ -61,6 +61,7 @@ from hybridattn.engine.stats import EngineStats
 from hybridattn.models import kimi_linear
 from hybridattn.serving import ServingState
 from servecore.engine import Event
+from servecore.errors import InvalidRequest
 from servecore.requests import GenerationRequest
 from servecore.sampling import default_seeds
 
@@ -126,23 +127,28 @@ class Core:
     # ---------------------------------------------------------------- EngineCore ----
 
     def check(self, name: str, req: GenerationRequest) -> None:
-        """``ValueError`` (naming the prompt ``name``) when ``req`` cannot fit the context or
-        a token pool (``servecore.requests.RequestBuilder``'s ``check``)."""
+        """``InvalidRequest`` (naming the prompt ``name``) when ``req`` cannot fit the context
+        or a token pool (``servecore.requests.RequestBuilder``'s ``check``): its field is the
+        prompt when the prompt alone does not fit, else ``max_tokens``."""
         o, need = self.opts, req.context_len
         if req.logprobs is not None and o.mesh is not None:
-            raise ValueError(f"{name}: logprobs={req.logprobs} is not supported by an engine "
-                             "on a mesh (mesh=...): build it on one device, or ask for "
-                             "logprobs=None")
-        if need > min(o.max_context_len, self.shard_capacity):
+            raise InvalidRequest(f"{name}: logprobs={req.logprobs} is not supported by an "
+                                 "engine on a mesh (mesh=...): build it on one device, or ask "
+                                 "for logprobs=None", field="logprobs", value=req.logprobs)
+        limit = min(o.max_context_len, self.shard_capacity)
+        if need > limit:
             short = ("max_context_len" if need > o.max_context_len else
                      "the token pool" if o.mesh is None else "a data shard's token pool")
-            raise ValueError(
+            field, value = (("prompt", len(req.tokens)) if len(req.tokens) > limit
+                            else ("max_tokens", req.max_tokens))
+            raise InvalidRequest(
                 f"{name} of {len(req.tokens)} tokens + max_tokens={req.max_tokens} needs a "
                 f"context of {need} tokens, more than {short} holds: this engine has "
                 f"max_context_len={o.max_context_len} and {self.shard_capacity} token slots "
                 f"(num_token_slots={self.shard_capacity + 1}, the sink included)"
                 + ("" if o.mesh is None else f" per data shard (of {o.num_data_shards})")
-                + "; shorten the prompt or build the engine with more of both")
+                + "; shorten the prompt or build the engine with more of both",
+                field=field, value=value)
 
     def submit(self, rid: int, request: GenerationRequest) -> None:
         """Queue ``request`` (checked) as request ``rid``; ``seed=None`` draws the next of the

@@ -2,7 +2,7 @@
 
 Every option is a field of a frozen dataclass; ``resolved(config)`` checks each (a
 ``ValueError`` names the option and its value) and fills the defaults that depend on the
-model, the context or the mesh. The ``Engine`` docstring says what each option does.
+model, the context or the mesh. Each field's docstring says what it does.
 
 >>> from hybridattn.config import KimiLinearConfig
 >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
@@ -68,32 +68,113 @@ def default_chunked_prefill_size(max_context_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """``hybridattn.Engine``'s keyword options (its docstring has each one's meaning). None
-    means "the default", which ``resolved`` fills in.
+    """``hybridattn.Engine``'s options, each field's meaning beside it: ``Engine(config,
+    params, tokenizer=..., **options)`` takes any of them by name. None means "the default",
+    which ``resolved`` fills in from the model, the context and the mesh.
 
     >>> EngineOptions(decode_steps=8).decode_steps, EngineOptions().num_data_shards
     (8, 1)
     """
 
     max_running_requests: int | None = None
+    """Request rows (default ``default_max_running_requests``: 32, fewer above 256k of
+    context, so the ``req_to_token`` table stays within 32 MiB); never more than the token
+    slots hold at full context, and at least one."""
+
     max_context_len: int | None = None
+    """Longest prompt + generation (default ``min(model_max_length, 4096)``); up to 1M tokens
+    and beyond: only the ``req_to_token`` rows grow with it, the token pool is sized on its
+    own (a pool smaller than one full context serves one request at a time)."""
+
     num_token_slots: int | None = None
+    """MLA token slots; default: what ``mem_fraction`` of the available memory holds beside
+    the parameters, tables, KDA states and step working memory (the largest step's, compiled
+    first if pools fill half), at most every row full."""
+
     mem_fraction: float = 0.5
+    """The share of ``servecore.available_memory_bytes()`` the default pools may use."""
+
     chunked_prefill_size: int | None = None
+    """Prompt tokens per step (long prompts span several steps); default
+    ``default_chunked_prefill_size``: 256, or 2048 past 4096 tokens of context."""
+
     request_buckets: Sequence[int] | None = None
+    """Shape buckets of the padded batches' request count (default: powers of four up to
+    ``max_running_requests``); the step compiles once per bucket tuple used."""
+
     token_buckets: Sequence[int] | None = None
+    """Shape buckets of the tokens in a step (default: powers of four from 16 up to
+    ``chunked_prefill_size + max_running_requests``)."""
+
     kv_buckets: Sequence[int] | None = None
+    """Shape buckets of the attention width (default: powers of four from 64 up to 4096, then
+    powers of two up to ``max_context_len``: a width pads by at most 2x, 12 buckets for 1M)."""
+
     snapshot_buckets: Sequence[int] | None = None
+    """Shape buckets of the state snapshots an extend step takes (default: 0, then powers of
+    four from 4 up to what a step can take: one per grid interval of a prefill chunk and
+    three per request); one bucket means one variant."""
+
     chunk_size: int = 32
+    """The KDA prefill chunk, a power of two."""
+
     dtype: Any = jnp.float32
+    """The pools' floating dtype (MLA latents and conv states; KDA states are float32)."""
+
     seed: int = 0
+    """The base sampling key (``ServingState.create``)."""
+
     prefix_cache: bool | None = None
+    """Reuse cached prefixes: a radix tree over the token slots with exact KDA state snapshots
+    (``hybridattn.engine.prefix_cache``); False re-prefills every prompt from token 0.
+    Default: on; under a ``mesh`` one tree per data shard, each request routed to the shard
+    holding its longest usable prefix (``ShardedScheduler``)."""
+
     snapshot_interval: int | None = None
+    """The snapshot grid along every prefill, a positive multiple of ``chunk_size`` (default:
+    the multiple of it nearest 256, at least one chunk)."""
+
     num_snapshot_slots: int | None = None
+    """Snapshot slots (the sink included); default: one per grid interval of the token pool
+    and four per request row, within a quarter of the memory budget left after the
+    parameters and working states (the token pool gets the rest)."""
+
     decode_steps: int = 1
-    overlap: bool | None = None  # None: on, but off under a mesh
+    """Decode steps per dispatch when a round would be a pure decode step that nothing can
+    join before it ends (no request waits, or none running can reach its ``max_tokens``
+    inside the run). The steps run in one ``lax.while_loop`` on the device
+    (``hybridattn.serving.decode_steps``), each request at most up to its ``max_tokens``; a
+    request that samples a stop token inside the run becomes padding from the next step on,
+    so pools, tokens and stats are those of stepping one at a time. It saves the host's
+    planning, packing, dispatch and read-back of every step but the first; a request that
+    finishes early holds its row until the run ends. Each count compiles its own decode
+    function per bucket. One step per round under a ``mesh``."""
+
+    overlap: bool | None = None
+    """Overlapped scheduling (default: on with one device, off under a ``mesh``, where True is
+    refused): a step stays on the device while its round ends, and the next round admits,
+    plans and dispatches the step after it before reading its tokens (each decoding row's
+    last token comes from the device); the host then commits the earlier step's tokens while
+    the device computes. Each request's tokens are those of ``overlap=False``; a step's
+    tokens reach ``step`` / ``stream`` one round later."""
+
     scan_layers: bool = True
-    mesh: Any = None  # a jax.sharding.Mesh
+    """Run the layers that repeat as one ``lax.scan`` over stacked parameters and pools
+    (``kimi_linear.stack_layers``): the released 27 layers are layer 0 and seven groups of
+    2-3 KDA layers each ending in an MLA layer (``kimi_linear.group_plan``), so each bucket
+    compiles 2 layers instead of 27. The engine then holds the stacked copy of ``params``
+    (under a mesh, placed by ``kimi_linear.stacked_param_specs``; on one device also in
+    ``kimi_linear.serving_layout``). No effect on a model whose layers do not repeat."""
+
+    mesh: Any = None
+    """A ``(data, tensor)`` ``jax.sharding.Mesh`` (``hybridattn.mesh.make_mesh``) to serve on
+    (docs/sharding.md): the step runs sharded (``sharding.ShardedStep``), ``params`` are placed
+    by ``kimi_linear.PARAM_RULES``, and the pools split into ``data`` shards, each with
+    ``max_running_requests / data`` rows and ``num_token_slots / data`` token slots (its own
+    sink included; both must divide) and its own prefix cache. Each request runs on one data
+    shard for its whole life. Heads and MLP channels must divide by ``tensor``, routed experts
+    by ``data * tensor``. Across processes every process builds the same engine; process 0
+    serves and the others ``follow()`` (``hybridattn.engine.processes``)."""
 
     @property
     def num_data_shards(self) -> int:

@@ -16,10 +16,10 @@ The package, one concept a module, imports pointing down:
 * ``store``: the prefix store (pools, allocators, radix tree, snapshots) with the shared
   prefix policy of ``servecore.prefix``.
 * ``admission``: which waiting requests go into the next prefill batch.
-* ``runner``: the core (``servecore.engine.EngineCore``): rounds, prefill, decode, finishing,
-  failures; over ``runner_pooled`` (the engine's caches, batched or one request per forward)
-  or ``runner_plain`` (mlx-lm's caches, for models the pool cannot serve).
-* ``engine``: ``Engine``, the facade over the core and ``servecore.streams.Streams``.
+* ``core``: the core (``servecore.engine.EngineCore``): rounds, prefill, decode, finishing,
+  failures; over ``path_pooled`` (the engine's caches, batched or one request per forward)
+  or ``path_plain`` (mlx-lm's caches, for models the pool cannot serve).
+* ``engine``: ``Engine``, the front door (``servecore.client.EngineClient``) over the core.
 
 Examples:
     A tiny random llama (mlx-lm's own class; any ``mlx_lm.load``-ed model serves the same way),
@@ -46,12 +46,12 @@ Examples:
 from mlxcache.engine.admission import CPU_FORWARD_COST_TOKENS, CPU_PREFILL_BATCH_TOKENS
 from mlxcache.engine.engine import Engine
 from mlxcache.engine.memory import MemoryReport
-from mlxcache.engine.options import Options, UnusedOptionWarning, check_options
+from mlxcache.engine.options import EngineOptions, UnusedOptionWarning, check_options
 from mlxcache.engine.sizing import MAX_AUTO_SLOTS, auto_num_slots
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Mode, ReuseDisabledWarning, Support
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "MAX_AUTO_SLOTS", "Engine",
-           "EngineStats", "MemoryReport", "Mode", "Options", "ReuseDisabledWarning",
+           "EngineStats", "MemoryReport", "Mode", "EngineOptions", "ReuseDisabledWarning",
            "Support", "UnusedOptionWarning",
            "auto_num_slots", "check_options"]

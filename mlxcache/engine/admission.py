@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from mlxcache.engine.job import Job
 from mlxcache.engine.memory import WorkingBudget
-from mlxcache.engine.options import Options
+from mlxcache.engine.options import EngineOptions
 from mlxcache.engine.store import PrefixStore
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "DEFER_SHARED_TOKENS",
@@ -77,7 +77,7 @@ class Admission:
     32
     """
 
-    def __init__(self, opts: Options, store: PrefixStore | None, batched: bool,
+    def __init__(self, opts: EngineOptions, store: PrefixStore | None, batched: bool,
                  working: WorkingBudget | None = None):
         self.store = store
         self.working = working

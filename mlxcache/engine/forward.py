@@ -3,7 +3,7 @@ moved between batches, and the arrays a cache keeps.
 
 Each function works on the engine's own caches (``mlxcache.cache``'s ``RaggedKVCache`` and
 ``RaggedArraysCache``, built by ``mlxcache.layers.build``): the probes of
-``mlxcache.engine.support`` and the pooled runner call the same code.
+``mlxcache.engine.support`` and the pooled path call the same code.
 
 Examples:
     >>> import mlx.core as mx

@@ -41,8 +41,8 @@ from typing import Any
 from mlxcache.cache import capacity
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Group, Job
-from mlxcache.engine.options import Options
-from mlxcache.engine.runner_pooled import length_bucket
+from mlxcache.engine.options import EngineOptions
+from mlxcache.engine.path_pooled import length_bucket
 from mlxcache.engine.sizing import PoolSizes, buffer_sizes
 from mlxcache.engine.support import Support
 from mlxcache.layers import leaves
@@ -114,7 +114,7 @@ class WorkingBudget:
         return self.need(jobs) <= self.limit
 
 
-def working_budget(support: Support, opts: Options, store: Any,
+def working_budget(support: Support, opts: EngineOptions, store: Any,
                    groups: Callable[[], Sequence[Group]]) -> WorkingBudget | None:
     """The decode buffers' budget of an engine: with reuse, the part of the store's budget
     (``store.sizes``); without, ``sizing.buffer_sizes``; None for a model served on mlx-lm's

@@ -34,7 +34,7 @@ import numpy as np
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache, kv_concat
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import Job
-from mlxcache.engine.options import Options, check_page_size
+from mlxcache.engine.options import EngineOptions, check_page_size
 from mlxcache.engine.sizing import PoolSizes, pool_sizes
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Support
@@ -120,7 +120,7 @@ class PrefixStore:
     True
     """
 
-    def __init__(self, support: Support, opts: Options, stats: EngineStats, num_slots: int,
+    def __init__(self, support: Support, opts: EngineOptions, stats: EngineStats, num_slots: int,
                  num_snapshots: int):
         self.layout = support.layout
         self.has_states = support.has_states
@@ -143,7 +143,7 @@ class PrefixStore:
         mx.eval(self.arrays())
 
     @classmethod
-    def build(cls, support: Support, opts: Options, stats: EngineStats) -> PrefixStore:
+    def build(cls, support: Support, opts: EngineOptions, stats: EngineStats) -> PrefixStore:
         """A store sized by ``opts`` (``mlxcache.engine.sizing``) for ``support``'s model."""
         layout = support.layout
         heads, head_dim, v_head_dim, dtype = support.kv

@@ -89,7 +89,7 @@ def assert_idle_and_whole(eng: Engine) -> None:
     assert int(st_.req_to_token_pool.state_allocator.num_free) == (
         st_.req_to_token_pool.state_allocator.capacity)
     assert not bool(st_.token_allocator.in_use.any())
-    assert not eng.streams._owner
+    assert not eng._streams._owner
 
 
 def alone_all(spec_ids, n) -> list[list[int]]:

@@ -34,11 +34,11 @@ SPECS = [
 
 def run(eng, prompts, specs):
     """Every request through ``step_events``: per request its events, in order."""
-    rids = [eng.streams.add_request(p, n, logprobs=k, **kw)
+    rids = [eng.add_request(p, n, logprobs=k, **kw)
             for p, (_, n, kw, k) in zip(prompts, specs, strict=True)]
     got = defaultdict(list)
     while eng.has_unfinished():
-        for ev in eng.streams.step_events():
+        for ev in eng.step_events():
             assert ev.token is not None and ev.error is None
             got[ev.rid].append(ev)
     return [got[r] for r in rids]

@@ -114,55 +114,6 @@ def test_stream_yields_what_generate_returns():
     assert order != sorted(order)  # interleaved: the requests ran together
 
 
-def test_the_old_name_max_new_tokens_still_works_and_warns():
-    """``max_new_tokens`` (the engine's name before ``max_tokens``) still works for a release,
-    with a ``DeprecationWarning``."""
-    eng = engine()
-    want = eng.generate([[1, 2]], 3)
-    with pytest.warns(DeprecationWarning, match="call it max_tokens"):
-        assert eng.generate([[1, 2]], max_new_tokens=3) == want
-    with pytest.warns(DeprecationWarning, match="call it max_tokens"):
-        assert [tok for _, tok in eng.stream([[1, 2]], max_new_tokens=3)] == want[0]
-    with pytest.warns(DeprecationWarning, match="call it max_tokens"):
-        eng.add_request([1, 2], max_new_tokens=3)
-    got = []
-    while eng.has_unfinished():
-        got += [tok for _, tok, _ in eng.step()]
-    assert got == want[0]
-    assert_whole(eng)
-
-
-_OLD_NAME = """
-import warnings, jax
-from hybridattn import Engine, KimiLinearConfig
-from hybridattn.models import kimi_linear
-cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
-eng = Engine(cfg, kimi_linear.init_params(cfg, jax.random.key(0)), max_running_requests=2,
-             max_context_len=16, num_token_slots=33)
-with warnings.catch_warnings(record=True) as got:
-    warnings.simplefilter("always")
-    eng.add_request([1, 2], max_new_tokens=3)  # line 10
-    for call in (eng.generate, eng.stream):
-        try:
-            call([[99]], max_new_tokens=3)  # line 13: the prompt is refused after the warning
-        except ValueError:
-            pass
-print([(w.category.__name__, w.filename, w.lineno) for w in got])
-"""
-
-
-def test_the_old_name_max_new_tokens_warns_at_the_callers_line():
-    """The warning names the caller's line (checked in a fresh Python: the tests' runtime type
-    checks wrap the engine's methods in a frame of their own)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _OLD_NAME], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.strip().splitlines()[-1] == str([("DeprecationWarning", "<string>", n)
-                                                for n in (10, 13, 13)])
-
-
 def test_stop_token_ends_a_request_and_frees_its_slots():
     p = prompts_of([10], seed=8)[0]
     free_run = engine().generate([p], 6)[0]

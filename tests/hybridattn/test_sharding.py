@@ -188,7 +188,7 @@ def test_per_device_bytes_follow_the_table(params):
     # params: each leaf's shard is its size over the mesh axes its spec names
     specs = PR.param_specs(CFG, mesh)
     want = 0
-    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=MS._is_spec),
+    for x, spec in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=MS.is_spec),
                        strict=True):
         axes = [a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))]
         want += x.nbytes // int(np.prod([mesh.shape[a] for a in axes]))
@@ -417,7 +417,7 @@ def test_engine_mesh_errors_name_the_value(params):
         eng.add_request([1] * 20, 1)
     with pytest.raises(ValueError, match=r"prompt: logprobs=2 is not supported by an engine "
                                          r"on a mesh"):
-        eng.streams.add_request([1, 2], 1, logprobs=2)
+        eng.add_request([1, 2], 1, logprobs=2)
     assert not eng.has_unfinished()
 
 

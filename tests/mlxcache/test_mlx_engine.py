@@ -298,12 +298,12 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
     uncached)) of the N waiting: many short suffixes in a few batches, cold prompts alone;
     an explicit ``prefill_batch_tokens`` is only a cap. Outputs stay mlx-lm's."""
     import mlxcache.engine as eng
-    from mlxcache.engine.runner import Runner
+    from mlxcache.engine.core import Core
 
     rng = random.Random(23)
     sizes: list[int] = []
-    prefill = Runner._prefill
-    monkeypatch.setattr(Runner, "_prefill",
+    prefill = Core._prefill
+    monkeypatch.setattr(Core, "_prefill",
                         lambda self, reqs: sizes.append(len(reqs)) or prefill(self, reqs))
     engine = Engine(llama_model, num_slots=1024)
     assert engine.core.admission.forward_cost == eng.CPU_FORWARD_COST_TOKENS == 28  # on CPU

@@ -62,10 +62,10 @@ def oracle(family: str, prompt: list[int], n: int, replay: list[int] | None = No
 
 def run(e: Engine, requests: list[dict]) -> list[list]:
     """Each request's events, served together (``add_request`` keywords)."""
-    rids = [e.streams.add_request(**r) for r in requests]
+    rids = [e.add_request(**r) for r in requests]
     events: dict[int, list] = {rid: [] for rid in rids}
     while not all(ev and ev[-1].finished for ev in events.values()):
-        for ev in e.streams.step_events():
+        for ev in e.step_events():
             assert ev.error is None, ev.error
             events[ev.rid].append(ev)
     return [events[rid] for rid in rids]

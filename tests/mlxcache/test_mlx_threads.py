@@ -99,7 +99,7 @@ def model():
 def test_close_is_idempotent_and_releases_the_pools_and_the_thread(model):
     engine = Engine(model, num_slots=256)
     assert engine.generate([[1, 2, 3]], max_tokens=3) == [reference_generate(model, [1, 2, 3], 3)]
-    owner = engine.streams.core.owner
+    owner = engine.owner
     mx.synchronize()
     before = mx.get_active_memory()
     engine.close()
@@ -194,7 +194,7 @@ def test_close_while_another_thread_reads_a_stream(model):
 def test_a_dropped_engine_ends_its_thread(model):
     engine = Engine(model, num_slots=64)
     engine.generate([[1, 2]], max_tokens=2)
-    owner = engine.streams.core.owner
+    owner = engine.owner
     del engine
     gc.collect()
     assert owner.closed and not owner.thread.is_alive()

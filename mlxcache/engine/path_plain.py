@@ -1,4 +1,4 @@
-"""The runner's path for models the pool cannot serve (``Mode.PLAIN``: a cache kind the
+"""The core's path for models the pool cannot serve (``Mode.PLAIN``: a cache kind the
 engine does not know): mlx-lm's own caches, one request per forward, no reuse; each running
 request is a decode group of its own.
 

@@ -38,7 +38,7 @@ Examples:
     >>> from mlxcache.zoo import make_model
     >>> from servecore.requests import RequestBuilder
     >>> model = make_model()
-    >>> core = Runner(model, Support.probe(model), check_options(num_slots=32), EngineStats())
+    >>> core = Core(model, Support.probe(model), check_options(num_slots=32), EngineStats())
     >>> core.submit(0, RequestBuilder(vocab_size=64).one([1, 2, 3], 2))
     >>> events = []
     >>> while core.has_work():
@@ -63,9 +63,9 @@ from mlxcache.engine.disk import DiskTier
 from mlxcache.engine.forward import arrays_in
 from mlxcache.engine.job import LIVE, Group, Job
 from mlxcache.engine.memory import working_budget, working_bytes
-from mlxcache.engine.options import Options
-from mlxcache.engine.runner_plain import PlainPath
-from mlxcache.engine.runner_pooled import PooledPath
+from mlxcache.engine.options import EngineOptions
+from mlxcache.engine.path_plain import PlainPath
+from mlxcache.engine.path_pooled import PooledPath
 from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.store import PrefixStore
 from mlxcache.engine.support import Support
@@ -77,10 +77,10 @@ from servecore.diskcache import DiskStore
 from servecore.engine import Event
 from servecore.requests import GenerationRequest
 
-__all__ = ["Runner"]
+__all__ = ["Core"]
 
 
-class Runner:
+class Core:
     """The core of ``mlxcache.Engine`` (see the module docstring): ``submit``, ``cancel``,
     ``run_round``, ``has_work``. ``store`` (built with reuse) holds the pools and the tree.
 
@@ -91,7 +91,7 @@ class Runner:
     (True, 'PooledPath', False)
     """
 
-    def __init__(self, model: nn.Module, support: Support, opts: Options, stats: EngineStats):
+    def __init__(self, model: nn.Module, support: Support, opts: EngineOptions, stats: EngineStats):
         self.model = model
         self.support = support
         self.stats = stats

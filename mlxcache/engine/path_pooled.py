@@ -1,4 +1,4 @@
-"""The runner's path for models the engine's own caches serve (``Mode.BATCHED`` and
+"""The core's path for models the engine's own caches serve (``Mode.BATCHED`` and
 ``Mode.SOLO``): prefill rows start from their prefix gathered from the pool (with reuse),
 run right-padded in ragged forwards, and join a running batch (batched: one decode group per
 length bucket) or a group of their own (solo).
