@@ -114,9 +114,9 @@ def test_stream_yields_what_generate_returns():
     assert order != sorted(order)  # interleaved: the requests ran together
 
 
-def test_the_old_name_max_new_tokens_still_works_and_warns():
-    """``max_new_tokens`` (the engine's name before ``max_tokens``) still works for a release,
-    with a ``DeprecationWarning``."""
+def test_the_deprecated_name_max_new_tokens_works_and_warns():
+    """``max_new_tokens``, a deprecated name of ``max_tokens``, works with a
+    ``DeprecationWarning``."""
     eng = engine()
     want = eng.generate([[1, 2]], 3)
     with pytest.warns(DeprecationWarning, match="call it max_tokens"):
@@ -151,7 +151,7 @@ print([(w.category.__name__, w.filename, w.lineno) for w in got])
 """
 
 
-def test_the_old_name_max_new_tokens_warns_at_the_callers_line():
+def test_the_deprecated_name_max_new_tokens_warns_at_the_callers_line():
     """The warning names the caller's line (checked in a fresh Python: the tests' runtime type
     checks wrap the engine's methods in a frame of their own)."""
     import subprocess
@@ -701,7 +701,7 @@ def test_sampling_keys_depend_on_seed_and_position_only():
 
 
 # --------------------------------------------------------------------------------------------
-# review findings: layouts, bad batches, repeats, aborts
+# layouts, bad batches, repeats, aborts
 # --------------------------------------------------------------------------------------------
 
 
