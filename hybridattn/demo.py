@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a Kimi-Linear checkpoint directory (default: built-in)")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
-                   help="tokens to generate per request (--max-new-tokens: the old name)")
+                   help="tokens to generate per request (--max-new-tokens: a deprecated name)")
     p.add_argument("--min-prompt", type=int, default=4)
     p.add_argument("--max-prompt", type=int, default=160)
     p.add_argument("--max-running", type=int, default=8)

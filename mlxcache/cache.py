@@ -644,7 +644,7 @@ class RaggedArraysCache(ArraysCache):
     Args:
         size: state arrays per layer (as the model's own ``ArraysCache(size)``).
         like: ``(shape, dtype)`` of each state array of one row, None for an array the model
-            never sets; used to give a fresh row zeros when other rows hold a state.
+            never sets; a fresh row gets zeros of it when other rows hold a state.
 
     Examples:
         >>> import mlx.core as mx

@@ -3,7 +3,6 @@
     python -m hybridattn.bench kda [--json] [--quick] [--plot DIR]
     python -m hybridattn.bench serve [--json] [--quick] [--batch-sizes 1 8 32]
                                      [--compile-layers 4 12 27] [--plot DIR]
-                                     [--compile-baseline PATH [--compile-rounds 3]]
     python -m hybridattn.bench serve --mesh 2x4 [--processes 2] [--json] [--quick]
     python -m hybridattn.bench prefix [--json] [--quick] [--plot DIR] [--mesh DxT]
     python -m hybridattn.bench longctx [--json] [--quick] [--compare-chunk N] [--plot DIR]
@@ -53,11 +52,8 @@ kv width, extend)`` to the wall time of the step that compiled it); the compile 
 step (trace, lower, XLA compile) against the layer count, on
 ``KimiLinearConfig.tiny(num_hidden_layers=n)`` for ``--compile-layers`` (default 4 12 27;
 ``--quick`` 4 12), for its smallest prefill and its decode bucket; and a 24-token prefill
-against a 1024-token one on one engine with the default bucket ladders, beside issue 20's
-target (the small one at most 1/25 of the large). ``--compile-baseline PATH`` (a checkout of
-another revision, e.g. ``git worktree add /tmp/base 64f4e51``, main when issue 20 was filed)
-compiles the same two buckets of the largest ``--compile-layers`` model with that checkout's
-step and with this one's, each in a fresh process, alternating, ``--compile-rounds`` times.
+against a 1024-token one on one engine with the default bucket ladders, beside the
+benchmark's goal (the small one at most 1/25 of the large).
 
 ``serve --mesh DxT``: the serving step sharded over a ``(data, tensor)`` mesh of ``D*T`` CPU
 devices (``hybridattn.sharding``; ``jax_num_cpu_devices`` is set before JAX starts) on the
@@ -83,7 +79,7 @@ decode ms/step against the bandwidth floor (bytes of weights, KDA state and the 
 latents one step reads, over a bandwidth measured in the same run), the pools and parameters
 the engine holds, and the MLA attention's share of the step (the jitted MLA backend call alone
 on the same shapes, over the step; in decode one call after each step, the median call over
-the median step). Judged against issue 18's targets: a 64k prompt prefilled
+the median step). Judged against the benchmark's goals: a 64k prompt prefilled
 with a peak of at most 1.5 GB in under 90 s, 256k completes, decode at 64k within 3x the
 floor, peak memory growing like the pools rather than like chunk x context.
 
@@ -151,11 +147,6 @@ def _add_serve(sub) -> argparse.ArgumentParser:
     sv.add_argument("--compile-layers", type=int, nargs="*", default=None, metavar="N",
                     help="layer counts to time the step's compilation at (default: 4 12 27; "
                          "--quick: 4 12; none given: skip)")
-    sv.add_argument("--compile-baseline", default=None, metavar="PATH",
-                    help="a checkout of another revision: compile its step and ours for the "
-                         "largest --compile-layers, each in a fresh process, and compare")
-    sv.add_argument("--compile-rounds", type=int, default=3, metavar="N",
-                    help="alternating rounds of --compile-baseline (default 3)")
     return sv
 
 
@@ -246,17 +237,13 @@ def _run_serve(p: argparse.ArgumentParser, args) -> int:
     if any(n < 2 for n in layers):
         p.error(f"--compile-layers {' '.join(map(str, layers))}: each must be at least 2 "
                 "(a hybrid model has a KDA and an MLA layer)")
-    if args.compile_rounds < 1:
-        p.error(f"--compile-rounds {args.compile_rounds}: must be at least 1")
     return _emit(bench_serve(batch_sizes=(1, 8) if args.quick else tuple(args.batch_sizes),
                              prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                              repeats=1 if args.quick else 2,
                              transformers=not args.no_transformers, progress=True,
                              compile_layers=tuple(layers),
                              device_rounds=10 if args.quick else 30,
-                             decode_steps=args.decode_steps,
-                             compile_baseline=args.compile_baseline,
-                             compile_rounds=args.compile_rounds),
+                             decode_steps=args.decode_steps),
                  args.json, print_serve, args.what, args.plot)
 
 

@@ -1,6 +1,6 @@
 """``python -m hybridattn.bench longctx``: one request at 4k..256k prompt tokens, each length
 in a fresh process: prefill, decode against the bandwidth floor, peak memory and the MLA
-attention's share of the step, judged against issue 18's targets (see
+attention's share of the step, judged against the benchmark's goals (see
 :mod:`hybridattn.bench.cli`)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ LONGCTX_LENGTHS = (4096, 16384, 65536, 262144)
 
 LONGCTX_TARGETS = dict(prefill_len=65536, prefill_peak_bytes=1.5e9, prefill_s=90.0,
                        completes_len=262144, decode_len=65536, decode_floor_ratio=3.0)
-"""The long-context targets (issue 18): a 64k prompt prefilled with a process peak of at most
+"""The long-context goals: a 64k prompt prefilled with a process peak of at most
 1.5 GB in under 90 s; 256k completes; decode at 64k within 3x the bandwidth floor; peak memory
 growing with the pools, not with chunk x context."""
 

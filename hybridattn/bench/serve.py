@@ -15,9 +15,7 @@ from hybridattn.bench import anchors as A
 from hybridattn.bench.common import PEAK_N, machine, median
 from hybridattn.bench.compile_time import (
     COMPILE_LAYERS,
-    compile_against,
     compile_vs_layers,
-    print_compile_baseline,
     print_compile_vs_layers,
 )
 from hybridattn.config import KimiLinearConfig
@@ -44,7 +42,7 @@ tokens, a ``DECODE`` step)."""
 
 
 SMALL_PREFILL_TARGET = 25
-"""Issue 20's target: a 24-token prefill costs at most 1/25 of a 1024-token one."""
+"""The small prefill's goal: a 24-token prefill costs at most 1/25 of a 1024-token one."""
 
 
 def _capture_steps(engine) -> dict:
@@ -228,16 +226,13 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                 repeats: int = 2, transformers: bool = True, config=None,
                 progress: bool = False, compile_layers=COMPILE_LAYERS,
                 small_prefill: tuple[int, int] | None = (24, 1024),
-                device_rounds: int = 20, decode_steps: int | None = None,
-                compile_baseline: str | None = None, compile_rounds: int = 3) -> dict:
+                device_rounds: int = 20, decode_steps: int | None = None) -> dict:
     """Run the serve benchmark (see :mod:`hybridattn.bench.cli`). ``decode_steps``: our engine's
     decode steps per dispatch (None: its default). ``compile_layers``: the layer
     counts of the compile-time rows (empty: none); ``small_prefill``: the (small, large)
     prompt lengths whose prefill steps are compared (None: not measured);
     ``device_rounds``: runs of the decode step alone (a quarter of them, at least 3, for
-    the prefill step); ``compile_baseline``: a checkout whose step's compile time the largest
-    of ``compile_layers`` is compared with (``compile_against``, ``compile_rounds``
-    rounds)."""
+    the prefill step)."""
     config = config or serve_config()
     params = M.init_params(config, jax.random.key(0))
     bandwidth, peak = A.memory_bandwidth_gbs(), A.peak_gflops(PEAK_N)
@@ -285,10 +280,6 @@ def bench_serve(batch_sizes=(1, 8, 32), prompt_len: int = 64, new_tokens: int = 
                                               rounds=max(3, 2 * repeats + 1))
     if compile_layers:
         res["compile_vs_layers"] = compile_vs_layers(compile_layers)
-    if compile_baseline:
-        res["compile_baseline"] = compile_against(compile_baseline,
-                                                   max(compile_layers or COMPILE_LAYERS),
-                                                   compile_rounds)
     return res
 
 
@@ -381,7 +372,7 @@ def _print_per_step(rows: list[dict]) -> None:
 
 
 def _print_small_prefill(sp: dict) -> None:
-    """The small prefill against the large one, beside issue 20's target."""
+    """The small prefill against the large one, beside the goal of 1/25."""
     print()
     print(f"small prefill (one request, default bucket ladders: tokens "
           f"{tuple(sp['token_buckets'])}, width {tuple(sp['kv_buckets'])}): "
@@ -392,14 +383,14 @@ def _print_small_prefill(sp: dict) -> None:
           f"{'holds' if sp['holds'] else 'MISSED'}; compiled "
           + ", ".join(f"{b['tokens']}x{b['kv_width']} {b['s']:.1f} s"
                       for b in sp["bucket_compile_s"]))
-    if sp.get("small_products_s") is not None:  # JSON of older runs lack it
+    if sp.get("small_products_s") is not None:  # a result saved without it
         print(f"  the matrix products alone of {sp['small_tokens']} tokens (no padding) take "
               f"{1e3 * sp['small_products_s']:.1f} ms, 1/"
               f"{sp['large_over_small_products']:.1f} of the large prefill")
 
 
 def _print_serve_steps(res: dict) -> None:
-    """The columns of where our step's time goes (absent from results saved before them)."""
+    """The columns of where our step's time goes (where the result has them)."""
     rows = [r for r in res["rows"] if "per_step" in r["ours"]]
     if rows:
         _print_per_step(rows)
@@ -407,8 +398,6 @@ def _print_serve_steps(res: dict) -> None:
         _print_small_prefill(res["small_prefill"])
     if res.get("compile_vs_layers"):
         print_compile_vs_layers(res["compile_vs_layers"])
-    if res.get("compile_baseline"):
-        print_compile_baseline(res["compile_baseline"])
     if res.get("compilation_cache_dir"):
         print(f"note: JAX's compilation cache is on ({res['compilation_cache_dir']}): compile "
               "times may be cache loads")

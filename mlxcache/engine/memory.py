@@ -3,9 +3,9 @@ inside its budget.
 
 Three parts, all inside ``budget_bytes`` (``mlxcache.engine.sizing``):
 
-- the KV pool: ``num_slots`` token slots of every attention layer's K/V (fixed);
+- the KV pool: ``num_slots`` token slots of every attention layer's K/V (a fixed size);
 - the state pool (hybrid models): ``num_snapshots`` snapshots of the recurrent layers' state
-  (fixed);
+  (a fixed size);
 - the running batches' decode buffers (``mlxcache.cache.RaggedKVCache`` and the recurrent
   rows): they grow as requests join and decode, shrink as they leave and are freed when
   no request runs.
@@ -153,7 +153,7 @@ class MemoryReport:
         budget_bytes: everything below is inside it (without reuse: the decode buffers'
             alone; 0 for a model served on mlx-lm's own caches: no budget).
         working_budget_bytes: the decode buffers' part of it.
-        kv_pool_bytes / snapshot_pool_bytes: the KV pool, the state pool (fixed).
+        kv_pool_bytes / snapshot_pool_bytes: the KV pool, the state pool (fixed sizes).
         working_bytes / peak_working_bytes: the decode buffers now, and the most they held
             (read after each round).
         num_slots, bytes_per_slot, num_snapshots, snapshot_bytes: the pools' geometry.

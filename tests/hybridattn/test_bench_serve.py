@@ -69,28 +69,3 @@ def test_compile_layers_below_two_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--compile-layers", "4", "1"])
     assert "--compile-layers 4 1: each must be at least 2" in capsys.readouterr().err
-
-
-def test_compile_against_a_baseline_checkout_runs_both_in_fresh_processes(capsys):
-    """``--compile-baseline``: this checkout against itself (2 layers, one round): both sides
-    compile the same two buckets in their own process, and the ratio is reported and
-    printed."""
-    import os
-
-    import hybridattn
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(hybridattn.__file__)))
-    res = compile_time.compile_against(root, 2, rounds=1)
-    assert res["layers"] == 2 and res["rounds"] == 1 and res["baseline"] == root
-    for side in ("baseline", "ours"):
-        (run,) = res["runs"][side]
-        assert set(run) == {"prefill", "decode"} and all(s > 0 for s in run.values())
-    assert res["ratio"] == pytest.approx(res["ours_s"] / res["baseline_s"])
-    serve.print_serve(dict(config=CFG.to_dict(), prompt_len=8, new_tokens=3, bandwidth_gbs=20.0,
-                           peak_gflops=100.0, transformers="not requested", rows=[],
-                           compile_baseline=res))
-    assert "ours / baseline" in capsys.readouterr().out
-    with pytest.raises(RuntimeError, match="compiling the step of"):
-        compile_time._compile_step_in(root, 0)  # no model has 0 layers
-    with pytest.raises(ValueError, match="at least 1, got 0"):
-        compile_time.compile_against(root, 2, rounds=0)

@@ -1,9 +1,9 @@
 """Blockwise MLA attention (``hybridattn.ops.mla``) equals its dense oracle, never holds the width.
 
-References: ``ref_mla_extend`` / ``ref_mla_decode`` (the dense form the backend used before).
+References: ``ref_mla_extend`` / ``ref_mla_decode`` (the dense form, kept as the oracle).
 Examples are drawn into two fixed shape buckets so they reuse compilations; the block sizes and
 query tiles come from short lists for the same reason. The memory claim is checked on the
-compiled forward of a 64k-wide page table, so a regression to dense fails here.
+compiled forward of a 64k-wide page table, which a dense form would fail.
 """
 
 from __future__ import annotations
@@ -346,5 +346,5 @@ def test_a_64k_wide_forward_holds_no_buffer_with_the_width(mode):
 
 
 def test_the_dense_forward_of_the_same_shape_would_fail_the_bound():
-    # The check above would catch a regression: the oracle's scratch grows with the width.
+    # The check above tells the forms apart: the oracle's scratch grows with the width.
     assert _compiled_temp_bytes("dense", "extend") > 64 * 2**20

@@ -652,7 +652,7 @@ def test_sampling_keys_depend_on_seed_and_position_only():
 
 
 # --------------------------------------------------------------------------------------------
-# review findings: layouts, bad batches, repeats, aborts
+# layouts, bad batches, repeats, aborts
 # --------------------------------------------------------------------------------------------
 
 

@@ -168,8 +168,8 @@ class _Tokenizer:
 
 @pytest.mark.parametrize("form", ["hf_int", "hf_list", "tf5_int", "mlx_set"])
 def test_every_form_of_a_tokenizers_eos_ids_stops_generation(model, form):
-    """transformers 5 gives ``eos_token_ids`` as an int: every generate without explicit
-    stop ids used to raise a TypeError."""
+    """Every form a tokenizer gives its EOS ids in (transformers 5 gives ``eos_token_ids``
+    as an int) stops a generate without explicit stop ids at the first EOS."""
     prompt = [3, 14, 15, 9, 2]
     want = fresh(model, prompt, 8)
     eos = want[3]
@@ -200,8 +200,8 @@ def test_a_tokenizer_whose_eos_ids_are_not_ids_is_refused_at_construction(model)
 
 @pytest.mark.parametrize("reset_after", [0, 1, 2, 3, 5])
 def test_reset_while_a_stream_is_open_keeps_its_requests_exact(model, reset_after):
-    """reset_cache used to drop locked nodes and re-initialise the allocator under running
-    requests: the resumed stream failed or left slots both free and in the tree."""
+    """reset_cache under running requests keeps their locked nodes and their slots: the
+    resumed stream gets a fresh engine's tokens and no slot is both free and in the tree."""
     prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [7, 7, 6]]
     engine = Engine(model, num_slots=40, max_batch_size=2)
     engine.generate([[1, 2, 3, 4, 5, 6]], max_tokens=3)  # something cached to forget
@@ -239,9 +239,9 @@ def test_reset_between_every_token_of_two_streams(model):
 
 @pytest.mark.parametrize("page_size", [1, 3])
 def test_the_largest_prompt_the_door_accepts_is_served_cold_and_cached(model, page_size):
-    """A full hit used to allocate a slot for the last token (kept back for its logits) while
-    the whole path stayed locked: ``num_slots - 1`` tokens worked cold and raised
-    PoolExhausted on a repeat; in a batch the first output was lost too."""
+    """A full hit allocates no slot for its last token (kept back for its logits) while the
+    whole path is locked: ``num_slots - 1`` tokens are served cold, on a repeat and in a batch
+    (every output kept)."""
     num_slots = 16
     big = [(7 * i) % (VOCAB - 1) + 1 for i in range(num_slots - 1)]
     twin = big[:-1] + [big[-1] % (VOCAB - 1) + 1]  # differs in the last token only
@@ -262,7 +262,8 @@ def test_the_largest_prompt_the_door_accepts_is_served_cold_and_cached(model, pa
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-30, 1e-7])
 def test_tiny_temperatures_are_greedy(model, temperature):
-    """Temperatures below ~1e-38 overflowed float32 and produced token 0 forever."""
+    """Temperatures below ~1e-38 (where ``1 / temperature`` overflows float32) sample the
+    greedy tokens."""
     engine = Engine(model, num_slots=64)
     for p in ([1, 2, 3], [9, 40, 2, 2]):
         assert engine.generate([p], max_tokens=6, temperature=temperature, seed=1) == [
@@ -291,7 +292,7 @@ def test_a_cold_sampled_row_picks_the_top_token_whatever_its_filters(
 
 def test_top_p_filter_keeps_the_top_token_when_top_p_rounds_to_zero():
     logits = mx.array([[0.0, 3.0, 1.0, 2.0]])
-    for top_p in (0.0, 1e-46):  # 0 in float32: the kept count used to be 0
+    for top_p in (0.0, 1e-46):  # 0 in float32: the kept count is still at least 1
         kept = _filter_top_p(logits, mx.array([top_p])).tolist()[0]
         assert kept == [-np.inf, 3.0, -np.inf, -np.inf]
 
@@ -443,8 +444,8 @@ def test_an_option_the_model_ignores_is_a_warning_naming_it(model):
 
 @pytest.mark.parametrize("tokenizer", ["path/to/tokenizer", object(), 3, {"encode": 1}])
 def test_a_tokenizer_that_is_not_one_is_named_when_the_engine_is_built(model, tokenizer):
-    """A path (or anything without encode and decode) was kept as the tokenizer, and the
-    first text prompt failed deep inside; now the engine refuses it, naming it."""
+    """A path (or anything without encode and decode) is refused as the tokenizer when the
+    engine is built, named in the error, not at the first text prompt."""
     with pytest.raises(TypeError, match=r"tokenizer=.* is not a tokenizer: give one with "
                                         r"encode and decode"):
         Engine(model, tokenizer, num_slots=32)
@@ -456,7 +457,8 @@ def test_a_model_that_is_not_a_model_is_named(model):
 
 
 def test_radix_tree_takes_mlx_tokens_as_the_ints_they_hold():
-    """mx.array tokens used to go in as array scalars, which hash by identity: no match."""
+    """mx.array tokens go in as the ints they hold (array scalars hash by identity and would
+    never match)."""
     cache = RadixCache()
     assert cache.insert(mx.array([1, 2, 3]), mx.array([10, 11, 12])) == 0
     assert cache.match_prefix([1, 2, 3])[0] == [10, 11, 12]

@@ -111,8 +111,8 @@ def test_a_second_chat_turn_reuses_whole_pages_of_a_hybrid_model(family, page_si
     """Pages of several tokens: the snapshots a hybrid model takes (the prompt's last token
     but one, the grid, the end of the answer) sit on the page boundary at or below where
     they were planned, so the next turn, matched page by page, resumes from the last whole
-    page of prompt + answer, as an attention-only model does (it used to drop every point
-    off a page boundary and reuse nothing). The tokens are mlx-lm's, served without reuse."""
+    page of prompt + answer, as an attention-only model does (a point off a page boundary
+    moves down to one; it is not dropped). The tokens are mlx-lm's, served without reuse."""
     e = engine(family, page_size=page_size, snapshot_interval=256)  # no grid point in play
     turn, ran = tokens(40, 37), 0  # 36, the last token but one, is off the 16-token page
     for k in range(3):

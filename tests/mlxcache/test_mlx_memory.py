@@ -95,8 +95,8 @@ def test_a_long_mixed_session_stays_inside_the_budget_and_idles_at_the_pools(
 
 
 def test_one_long_request_among_short_ones_takes_buffers_near_its_own_size():
-    """The issue's example: one 960-token request among seven of 8 tokens made the decode
-    buffers 8 x 1024 token rows (7x the live K/V) and kept them when idle."""
+    """One 960-token request among seven of 8 tokens: the decode buffers stay within 1.5x the
+    live K/V (not 8 rows of 1024 tokens, 7x it) and are freed when the engine is idle."""
     engine = Engine(zoo.make_model(), num_slots=4096, max_batch_size=8)
     per_token = engine.memory.bytes_per_slot
     live = (960 + 16 + 7 * (8 + 16)) * per_token  # the rows at their longest
@@ -166,7 +166,9 @@ def test_the_automatic_sizer_never_passes_its_budget(monkeypatch, budget, per_sl
 
 
 def test_a_hybrid_model_on_a_tiny_automatic_budget_is_an_error_naming_it(monkeypatch):
-    """A 32 KiB budget used to become 68 KiB (at least 8 snapshots whatever the budget)."""
+    """An automatic budget too small for the minimum of snapshots is an error naming it (it
+    does not grow past the budget to fit them); a large enough one holds pools and buffers
+    within it."""
     monkeypatch.setattr(sizing, "_memory_budget", lambda: (64 << 10, "test memory"))
     with pytest.raises(ValueError, match=r"mem_fraction=0.5 of the test memory \(65536 B\) "
                                          r"is a budget of 32768 B.*num_slots"):

@@ -1,13 +1,12 @@
 """The engine on a worker thread, and ``close()``.
 
-A process whose worker thread ran an ``mx.compile``d function (mlx-lm compiles its
-activations) used to die of SIGABRT at exit about half the time ("terminate called without an
-active exception"): the thread's MLX state (the compile cache, holding Python objects) was
-destroyed after Python had joined the thread, sometimes while the interpreter was finalizing.
-The engine now does all its MLX work on a thread it owns and clears that state there when it
-closes (``servecore.thread``). Measured on 2 CPU cores, 20 runs of a process that builds the
-engine and calls ``generate`` on a worker thread: 17 aborts before, 0 after.
-(Six runs here, two per way of using the engine.)
+A process that uses the engine from a worker thread exits cleanly. A thread that ran an
+``mx.compile``d function (mlx-lm compiles its activations) holds MLX state (the compile cache,
+holding Python objects); destroyed after Python has joined the thread, sometimes while the
+interpreter is finalizing, it aborts the process with SIGABRT ("terminate called without an
+active exception"). The engine does all its MLX work on a thread it owns and clears that state
+there when it closes (``servecore.thread``), so no such state outlives its thread. Six runs
+here, two per way of using the engine.
 
 The exit status is only observable from outside: each run is a fresh ``python`` process, and
 the tokens it prints are compared with mlx-lm's own greedy generation on the main thread

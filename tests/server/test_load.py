@@ -4,7 +4,7 @@ behind one system prompt, second turns, stop strings, plain completions, Anthrop
 messages), streamed or not, one answer or two (``n=2``). A quarter of the clients leave
 every request at a random point (raw sockets: right after sending, after some events, after
 a random time); the others read every answer to its end. By hand, the environment sets
-another run: ``SERVECORE_LOAD_SECONDS=60`` (the issue's minute), ``SERVECORE_LOAD_CLIENTS``,
+another run: ``SERVECORE_LOAD_SECONDS=60`` (a minute), ``SERVECORE_LOAD_CLIENTS``,
 ``SERVECORE_LOAD_MLX_FAMILY`` (another ``mlxcache.zoo`` model than llama, e.g. the hybrid
 ``qwen3_next``).
 

@@ -334,7 +334,7 @@ def test_a_fault_of_the_engine_is_a_500_and_the_server_goes_on():
         assert srv.server.worker.running == 0 and srv.server.worker.waiting == 0
 
 
-def test_what_a_review_found_misbehaving_clients_get_400s_and_hurt_nobody():
+def test_misbehaving_clients_get_400s_and_hurt_nobody():
     fake = _FakeEngine()
     with serving(fake, max_queue=4, max_body_bytes=1 << 16) as srv:
         client = srv.openai()
