@@ -1,5 +1,8 @@
 """hybridattn: functional, JAX-first serving machinery for hybrid linear-attention models.
 
+The public surface is what this module exports and the modules listed below (each with its
+own ``__all__``); modules whose name starts with an underscore are internal.
+
 All state lives in immutable pytrees updated by pure functions, so every piece composes
 inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
 
@@ -16,8 +19,10 @@ inside your own ``jax.jit``, ``lax.scan`` and ``while_loop``.
   ``new_state, out = step(params, state, batch)``.
 * ``hybridattn.mesh`` (the ``(data, tensor)`` mesh and its partition specs) and
   ``hybridattn.sharding`` (``ShardedStep``: the step on every device of a mesh).
-* ``Engine``: continuous batching and prefix caching around ``step``:
-  ``engine.generate(prompts, 16)``; ``hybridattn.engine.scheduler`` is its plain-Python host logic.
+* ``Engine``: continuous batching and prefix caching around ``step``, behind the front door
+  both engines share (``servecore.client.EngineClient``): ``engine.generate(prompts, 16)``;
+  ``EngineOptions`` documents every option; ``hybridattn.engine.scheduler`` is its
+  plain-Python host logic.
 * ``hybridattn.testing`` (imported on its own; needs hypothesis): strategies and reference
   implementations for property tests.
 
@@ -56,7 +61,7 @@ from hybridattn.backends import (
     make_forward_batch,
 )
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine import Engine, EngineStats
+from hybridattn.engine import Engine, EngineOptions, EngineStats
 from hybridattn.ops import (
     kda_chunked,
     kda_decode,
@@ -87,6 +92,7 @@ from hybridattn.serving import (
 )
 
 __all__ = [
+    "EngineOptions",
     "ops",
     "pools",
     "BatchRequest",

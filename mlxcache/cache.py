@@ -48,7 +48,7 @@ a token capacity is ``capacity(longest row)`` (a power of two from ``MIN_CAPACIT
 ``fit`` shrinks them to what is left when a row leaves (to nothing when the last row goes).
 One request of 960 tokens among seven of 8 still makes one buffer of 8 x 1024 token rows:
 the engine keeps requests of very different lengths in different batches
-(``mlxcache.engine.path_pooled``).
+(``mlxcache.engine._path_pooled``).
 
 When every row has the same length, ``offset`` is a plain ``int`` and the mask is ``None`` (one
 token) or ``"causal"``, exactly what ``KVCache`` gives, so a single request runs through the

@@ -4,9 +4,13 @@
 but many of their concepts are the same, and a user moving between them should meet one
 vocabulary. This package holds those concepts once, and imports neither JAX nor MLX:
 
+* ``servecore.client``: ``EngineClient``, the one front door both engines subclass: every
+  call a user or the server makes, one signature each.
 * ``servecore.sampling``: ``SamplingParams`` (one field order, one set of range checks,
   tiny temperatures and top-p values treated as greedy).
-* ``servecore.errors``: ``PoolExhausted(requested, available)``, ``EngineClosedError``.
+* ``servecore.errors``: ``InvalidRequest`` (field, value, reason),
+  ``PoolExhausted(requested, available)``, ``EngineClosedError``.
+* ``servecore.ids``: ``IdPool``, the host's free list of ids (slots, rows).
 * ``servecore.stats``: ``ServingStats``, the counters and the throughput definitions.
 * ``servecore.memory``: the memory probe (``MemAvailable`` and any cgroup limit).
 * ``servecore.validate``: checks at the door (ints in device ranges, token ids, prompt lists,

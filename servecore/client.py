@@ -59,6 +59,17 @@ class EngineClient:
         name: names the engine in errors (``EngineClosedError``).
 
     A subclass sets ``stats`` (a ``ServingStats``) and may override ``memory``.
+
+    >>> from servecore.testing import FakeCore
+    >>> class Tiny(EngineClient):
+    ...     def __init__(self):
+    ...         super().__init__(FakeCore(), vocab_size=32, name="Tiny")
+    >>> with Tiny() as engine:
+    ...     rid = engine.add_request([4], 2)
+    ...     engine.step(), engine.step()
+    ([(0, 4, False)], [(0, 11, True)])
+    >>> engine.closed
+    True
     """
 
     stats: ServingStats

@@ -6,7 +6,8 @@ scheduling round at a time, reporting every token it commits as an ``Event``. Th
 ``servecore.streams.Streams`` is the other half: it assigns ids, builds and checks requests
 (``servecore.requests``), owns the per-request outboxes, and gives every user the same
 contract (``generate``, ``stream``, ``add_request`` / ``step`` / ``abort``), whichever engine
-is underneath. A server (or any other front end) talks to ``Streams`` only.
+is underneath; the front door ``servecore.client.EngineClient`` holds it, and a server (or
+any other front end) talks to that only.
 
 The core's promises:
 
@@ -24,8 +25,8 @@ The core's promises:
 * ``close()``: release what the core holds for serving (pools, buffers, requests); no other
   call follows (``Streams.close`` makes sure). Idempotent.
 
-An ``Engine`` itself is a facade: ``Streams``' contract, and read-only views of its core's
-parts (``delegate``).
+An ``Engine`` is a ``servecore.client.EngineClient`` over its core: the front door's calls,
+and read-only views of its core's parts (``delegate``).
 
 >>> Event(3, 17, False)
 Event(rid=3, token=17, finished=False, error=None, cached=None, logprobs=None)

@@ -26,7 +26,7 @@ Everything an eviction frees goes back to its store (``give_back``; a ``SlotSink
 and is returned, so the caller counts it.
 
 >>> from servecore.radix import RadixCache
->>> tree, slots = RadixCache(), ListSlots(8)  # slots 1..7
+>>> tree, slots = RadixCache(), IdPool(8)  # slots 1..7
 >>> got, _ = make_room(tree, slots, 3)
 >>> tree.insert([5, 6, 7], got)
 0
@@ -44,9 +44,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from servecore.ids import IdPool  # noqa: F401 - the examples' free list
 from servecore.radix import Evicted, RadixCache, TreeNode
 
-__all__ = ["ListSlots", "Match", "SlotSink", "SlotStore", "cached_len", "evict_shortfall",
+__all__ = ["Match", "SlotSink", "SlotStore", "cached_len", "evict_shortfall",
            "give_back", "keep_state", "make_room", "match", "take_states"]
 
 
@@ -55,7 +56,7 @@ class SlotSink(Protocol):
     """Where freed slots go back: a ``SlotStore``, or an engine's queue of frees for a device
     that owns the allocator (``hybridattn``).
 
-    >>> isinstance(ListSlots(4), SlotSink)
+    >>> isinstance(IdPool(4), SlotSink)
     True
     """
 
@@ -66,9 +67,9 @@ class SlotSink(Protocol):
 @runtime_checkable
 class SlotStore(SlotSink, Protocol):
     """Where an engine keeps its free slots (token slots or snapshot slots).
-    ``servecore.snapshots.SnapshotSlots`` is one.
+    ``servecore.ids.IdPool`` is one.
 
-    >>> isinstance(ListSlots(4), SlotStore)
+    >>> isinstance(IdPool(4), SlotStore)
     True
     """
 
@@ -78,41 +79,6 @@ class SlotStore(SlotSink, Protocol):
 
     def take(self, n: int) -> list[int]:
         """``min(n, num_free)`` free slots."""
-
-
-class ListSlots:
-    """A ``SlotStore`` of slots ``1 .. num_slots - 1`` on a Python list (slot 0 is the sink),
-    handed out in increasing order: for tests and examples.
-
-    >>> s = ListSlots(4)
-    >>> s.take(2), s.num_free
-    ([1, 2], 1)
-    >>> s.give([1]); s.take(9)
-    [1, 3]
-    """
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        """Slots ``take`` can hand out."""
-        return len(self._free)
-
-    def take(self, n: int) -> list[int]:
-        """Up to ``n`` free slots."""
-        n = min(n, len(self._free))
-        out = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return out
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots``; a slot free already or out of range is an error."""
-        bad = [s for s in slots if not 0 < s < self.num_slots or s in self._free]
-        if bad:
-            raise ValueError(f"slots {bad} are not in use")
-        self._free.extend(slots)
 
 
 class Match(NamedTuple):
@@ -172,7 +138,7 @@ def cached_len(tree: RadixCache, tokens: Sequence[int]) -> int:
 def give_back(evicted: Evicted, slots: SlotSink, states: SlotSink | None = None) -> None:
     """Return what an eviction freed to its stores (token slots; snapshot handles).
 
-    >>> kv = ListSlots(4)
+    >>> kv = IdPool(4)
     >>> give_back(Evicted(kv.take(2), []), kv); kv.num_free
     3
     """
@@ -192,7 +158,7 @@ def make_room(tree: RadixCache, slots: SlotStore, n: int, states: SlotStore | No
     a few more when a leaf is longer), or, when free and evictable slots together are fewer
     than ``n``, nothing at all: ``(None, nothing)``, the request waits.
 
-    >>> tree, store = RadixCache(), ListSlots(4)
+    >>> tree, store = RadixCache(), IdPool(4)
     >>> tree.insert([1, 2], store.take(2))
     0
     >>> tree.lock(tree.match_prefix([1]).node)
@@ -235,7 +201,7 @@ def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotSink
     least recently used unlocked states' (evicted; the token slots of leaves that go with
     them are given back to ``slots``); what was evicted.
 
-    >>> tree, kv, snaps = RadixCache(states=True), ListSlots(8), ListSlots(3)
+    >>> tree, kv, snaps = RadixCache(states=True), IdPool(8), IdPool(3)
     >>> tree.insert([1, 2], kv.take(2))
     0
     >>> [tree.add_state([1], h) for h in snaps.take(1)] + [tree.add_state([1, 2], h)
@@ -257,7 +223,7 @@ def keep_state(tree: RadixCache, tokens: Sequence[int], handle: int, states: Slo
     when the tree has a state there already or lacks the tokens (their K/V were not kept, or
     were evicted). Whether it was kept.
 
-    >>> tree, snaps = RadixCache(states=True), ListSlots(4)
+    >>> tree, snaps = RadixCache(states=True), IdPool(4)
     >>> tree.insert([1, 2], [8, 9])
     0
     >>> h = snaps.take(2)

@@ -22,7 +22,7 @@ kernel:
 * the end of the request (all tokens that ran), taken when it finishes, so the next turn of a
   conversation reuses prompt and answer.
 
-Snapshot slots come from a host free list (``SnapshotSlots``); the tree owns the handles it
+Snapshot slots come from a host free list (``servecore.ids.IdPool``); the tree owns the handles it
 holds and hands them back when it evicts states. Snapshots are best effort: when no slot is
 free even after evicting unlocked states, a point is skipped (the cache is only less useful).
 
@@ -33,9 +33,7 @@ free even after evicting unlocked states, a point is skipped (the cache is only 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-__all__ = ["SnapshotSlots", "snapshot_points"]
+__all__ = ["snapshot_points"]
 
 
 def snapshot_points(prompt_len: int, kv_len: int, state_len: int, interval: int) -> list[int]:
@@ -57,53 +55,3 @@ def snapshot_points(prompt_len: int, kv_len: int, state_len: int, interval: int)
     if last > state_len:
         points.add(last)
     return sorted(points)
-
-
-class SnapshotSlots:
-    """A free list of snapshot slots ``1 .. num_slots - 1`` (slot 0 is the snapshot pool's
-    sink), on the host: the prefix cache decides what is snapshotted, the device only copies.
-
-    >>> slots = SnapshotSlots(4)
-    >>> slots.take(2), slots.num_free
-    ([1, 2], 1)
-    >>> slots.give([2]); slots.take(5)  # fewer than asked when fewer are free
-    [2, 3]
-
-    ``what`` names the ids in errors (any host-owned ids: ``hybridattn.engine.ids.IdPool``
-    keeps request rows and token slots on it).
-    """
-
-    def __init__(self, num_slots: int, what: str = "snapshot slot"):
-        self.num_slots, self.what = num_slots, what
-        self._free = list(range(num_slots - 1, 0, -1))  # the top of the stack is slot 1
-        self._is_free = set(self._free)
-
-    @property
-    def num_free(self) -> int:
-        """Slots that ``take`` can hand out."""
-        return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        """Slots that can be handed out at all (the sink excluded)."""
-        return self.num_slots - 1
-
-    def take(self, n: int) -> list[int]:
-        """Up to ``n`` free slots (all of them when fewer are free)."""
-        n = min(n, len(self._free))
-        out = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        self._is_free.difference_update(out)
-        return out
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots``; a slot that is free already (or listed twice), or out of range,
-        is an error (a bookkeeping bug: it would be handed out twice) and returns none."""
-        slots = list(slots)
-        seen: set[int] = set()
-        for s in slots:
-            if not 0 < s < self.num_slots or s in self._is_free or s in seen:
-                raise ValueError(f"{self.what} {s} is not in use")
-            seen.add(s)
-        self._free.extend(slots)
-        self._is_free.update(slots)

@@ -1,4 +1,5 @@
-"""Every public name is documented: a docstring, and for functions and classes a short example.
+"""Every public name is documented: a docstring, and for functions and classes a short example;
+every public module has an API page and no internal one (a name with an underscore) has.
 
 "Public" is each API module's ``__all__``. A function or class docstring must contain a
 doctest example (``>>>``; ``tests/test_doctests.py`` runs them), and a function whose arguments
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pathlib
 import re
 
 import pytest
@@ -45,11 +47,11 @@ HYBRIDATTN_API = [
     "hybridattn.engine.buckets",
     "hybridattn.engine.plan",
     "hybridattn.engine.scheduler",
-    "hybridattn.engine.prefix_cache",
-    "hybridattn.engine.core",
+    "hybridattn.engine._prefix_cache",
+    "hybridattn.engine._core",
     "hybridattn.engine.processes",
-    "hybridattn.engine.runner",
-    "hybridattn.engine.commit",
+    "hybridattn.engine._runner",
+    "hybridattn.engine._commit",
     "hybridattn.engine.stats",
     "hybridattn.models.kimi_linear",
     "hybridattn.models.kimi_linear.params",
@@ -77,14 +79,14 @@ MLXCACHE_API = [
     "mlxcache.engine.stats",
     "mlxcache.engine.sizing",
     "mlxcache.engine.memory",
-    "mlxcache.engine.forward",
-    "mlxcache.engine.job",
-    "mlxcache.engine.store",
-    "mlxcache.engine.disk",
-    "mlxcache.engine.admission",
-    "mlxcache.engine.core",
-    "mlxcache.engine.path_pooled",
-    "mlxcache.engine.path_plain",
+    "mlxcache.engine._forward",
+    "mlxcache.engine._job",
+    "mlxcache.engine._store",
+    "mlxcache.engine._disk",
+    "mlxcache.engine._admission",
+    "mlxcache.engine._core",
+    "mlxcache.engine._path_pooled",
+    "mlxcache.engine._path_plain",
     "mlxcache.sampling",
     "mlxcache.logprobs",
     "mlxcache.testing",
@@ -92,7 +94,9 @@ MLXCACHE_API = [
 ]
 SERVECORE_API = [
     "servecore.sampling",
+    "servecore.client",
     "servecore.errors",
+    "servecore.ids",
     "servecore.stats",
     "servecore.memory",
     "servecore.validate",
@@ -112,15 +116,15 @@ SERVECORE_API = [
     "servecore.thread",
     "servecore.testing",
     "servecore.server",
-    "servecore.server.errors",
-    "servecore.server.fields",
-    "servecore.server.text",
-    "servecore.server.worker",
-    "servecore.server.generation",
-    "servecore.server.openai_api",
-    "servecore.server.anthropic_api",
-    "servecore.server.formats",
-    "servecore.server.metrics",
+    "servecore.server._errors",
+    "servecore.server._fields",
+    "servecore.server._text",
+    "servecore.server._worker",
+    "servecore.server._generation",
+    "servecore.server._openai_api",
+    "servecore.server._anthropic_api",
+    "servecore.server._formats",
+    "servecore.server._metrics",
     "servecore.server.app",
     "servecore.server.cli",
 ]
@@ -209,3 +213,20 @@ def test_top_level_names_are_public_names_of_api_modules():
         assert home in HYBRIDATTN_API + SERVECORE_API, (
             f"hybridattn.{name} lives in {home}, not an API module")
         assert name in importlib.import_module(home).__all__, f"{name} not in {home}.__all__"
+
+
+API_PAGES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api"
+
+
+def _internal(module_name: str) -> bool:
+    return any(part.startswith("_") for part in module_name.split("."))
+
+
+def test_the_public_modules_have_pages_and_the_internal_ones_none():
+    listed = HYBRIDATTN_API + MLXCACHE_API + SERVECORE_API
+    pages = {p.stem for p in API_PAGES.glob("*.md")} - {"index"}
+    public = {m for m in listed if not _internal(m)}
+    assert not pages - set(listed), f"pages of no listed module: {sorted(pages - set(listed))}"
+    assert not public - pages, f"public modules without a page: {sorted(public - pages)}"
+    internal = {m for m in listed if _internal(m)} & pages
+    assert not internal, f"internal modules with a page: {sorted(internal)}"

@@ -1,6 +1,6 @@
 """``hybridattn.Engine``: continuous batching around the pure ``hybridattn.step``.
 
-The engine builds its core (``hybridattn.engine.core``: the scheduler, the device runner and
+The engine builds its core (``hybridattn.engine._core``: the scheduler, the device runner and
 the stats over pools sized from its options) and serves it through the front door both
 engines share (``servecore.client.EngineClient``: ``generate``, ``stream``, ``add_request`` /
 ``step`` / ``abort``, ``close``, one signature on both engines). What is its own: the
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine.core import Core, build_core
+from hybridattn.engine._core import Core, build_core
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.processes import ProcessGroupCore
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
@@ -44,7 +44,7 @@ class Engine(EngineClient):
             buckets, the prefix cache, ``decode_steps``, ``overlap``, ``mesh``, ...).
 
     The calls are ``servecore.client.EngineClient``'s. A round is a transaction
-    (``hybridattn.engine.core``): an exception in it leaves the pools and the bookkeeping in
+    (``hybridattn.engine._core``): an exception in it leaves the pools and the bookkeeping in
     agreement and drops no request (a ``KeyboardInterrupt`` mid-round is held until the round
     has committed). A request's samples depend on its prompt and seed, not on which other
     requests share its steps. Bad options raise ``ValueError`` naming them; a request that

@@ -126,7 +126,7 @@ class EngineOptions:
 
     prefix_cache: bool | None = None
     """Reuse cached prefixes: a radix tree over the token slots with exact KDA state snapshots
-    (``hybridattn.engine.prefix_cache``); False re-prefills every prompt from token 0.
+    (``hybridattn.engine._prefix_cache``); False re-prefills every prompt from token 0.
     Default: on; under a ``mesh`` one tree per data shard, each request routed to the shard
     holding its longest usable prefix (``ShardedScheduler``)."""
 

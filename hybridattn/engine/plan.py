@@ -1,6 +1,6 @@
 """The scheduler's decisions as data: requests, admissions, device ops and step plans.
 
-Plain Python, no JAX: ``hybridattn.engine.scheduler`` makes these, ``hybridattn.engine.runner``
+Plain Python, no JAX: ``hybridattn.engine.scheduler`` makes these, ``hybridattn.engine._runner``
 carries them out on the device (``runner.work_items`` turns a plan into the device's
 ``WorkItem``\\ s). ``Mode`` is a step's kind, with the values of
 ``hybridattn.backends.ForwardMode`` (the runner passes ``ForwardMode(plan.mode)``).
@@ -45,7 +45,7 @@ class Request:
     ``borrowed`` tokens of KV come from the cache, ``start`` is the depth of the snapshot it
     restored (``restore``: its slot), ``planned`` / ``taken`` map snapshot depths to slots,
     ``owned`` is its reservation of token slots, ``row_slots`` the token slots of its row's
-    positions, named by the engine (``hybridattn.engine.ids``; ``read_slots`` serves them
+    positions, named by the engine (``servecore.ids.IdPool``; ``read_slots`` serves them
     without a device read), ``row_borrowed`` how many of them the row borrows. ``logprobs``
     (None, or ``k``): the request wants each token's log-probability and its ``k`` most
     likely alternatives (the steps that run it return them).

@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hybridattn.engine.core import Core
+from hybridattn.engine._core import Core
 from servecore.engine import Event
 from servecore.requests import GenerationRequest
 

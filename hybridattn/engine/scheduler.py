@@ -26,7 +26,7 @@ request (one token each) and, when some admitted request still has prompt tokens
 chunks up to ``chunked_prefill_size`` tokens (an ``EXTEND`` step); otherwise it is a
 ``DECODE`` step of every running request.
 
-With ``prefix_cache`` (``hybridattn.engine.prefix_cache``), admission matches the prompt in the
+With ``prefix_cache`` (``hybridattn.engine._prefix_cache``), admission matches the prompt in the
 radix tree, locks the path, lets the row borrow the cached KV and restores the deepest
 snapshot at most one token short of the prompt; the prefill then recomputes only the rest,
 snapshotting on the way. After each chunk that took snapshots (and when the whole prompt has
@@ -63,6 +63,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from hybridattn.engine._prefix_cache import PrefixCache
 from hybridattn.engine.buckets import bucket
 from hybridattn.engine.plan import (
     Admission,
@@ -72,7 +73,6 @@ from hybridattn.engine.plan import (
     ShardedPlan,
     StepPlan,
 )
-from hybridattn.engine.prefix_cache import PrefixCache
 from servecore.prefix import cached_len
 from servecore.requests import finish_reason
 

@@ -43,7 +43,7 @@ Examples:
     ...
 """
 
-from mlxcache.engine.admission import CPU_FORWARD_COST_TOKENS, CPU_PREFILL_BATCH_TOKENS
+from mlxcache.engine._admission import CPU_FORWARD_COST_TOKENS, CPU_PREFILL_BATCH_TOKENS
 from mlxcache.engine.engine import Engine
 from mlxcache.engine.memory import MemoryReport
 from mlxcache.engine.options import EngineOptions, UnusedOptionWarning, check_options

@@ -18,8 +18,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcache.engine.core import Core
-from mlxcache.engine.disk import DISK_PAGE_TOKENS, salt_of
+from mlxcache.engine._core import Core
+from mlxcache.engine._disk import DISK_PAGE_TOKENS, salt_of
 from mlxcache.engine.memory import MemoryReport
 from mlxcache.engine.options import UnusedOptionWarning, check_options, unused_options
 from mlxcache.engine.stats import EngineStats

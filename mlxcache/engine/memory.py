@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mlxcache.cache import capacity
-from mlxcache.engine.forward import arrays_in
-from mlxcache.engine.job import Group, Job
+from mlxcache.engine._forward import arrays_in
+from mlxcache.engine._job import Group, Job
+from mlxcache.engine._path_pooled import length_bucket
 from mlxcache.engine.options import EngineOptions
-from mlxcache.engine.path_pooled import length_bucket
 from mlxcache.engine.sizing import PoolSizes, buffer_sizes
 from mlxcache.engine.support import Support
 from mlxcache.layers import leaves

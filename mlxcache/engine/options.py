@@ -81,7 +81,7 @@ class EngineOptions:
     """Most uncached tokens admitted into one prefill batch (a request alone may have more).
     None: ``CPU_PREFILL_BATCH_TOKENS`` on MLX's CPU device, where the batch is also sized for
     the mean TTFT (``CPU_FORWARD_COST_TOKENS``); ``prefill_step_size`` on a GPU
-    (``mlxcache.engine.admission``)."""
+    (``mlxcache.engine._admission``)."""
 
     kv_bits: int | None = None
     """4 or 8: the pool and the decode buffers hold the attention layers' K/V quantized as
@@ -94,7 +94,7 @@ class EngineOptions:
     """The quantization group along the head dimension: 32, 64 or 128."""
 
     cache_dir: Any = None
-    """A directory for the disk tier (``mlxcache.engine.disk``): evicted prefixes spill there
+    """A directory for the disk tier (``mlxcache.engine._disk``): evicted prefixes spill there
     and reload on a match, ``close`` spills what memory holds, and a new engine on the
     directory finds them. One engine owns a directory at a time."""
 

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache.engine.forward import forward_padded, join_rows
+from mlxcache.engine._forward import forward_padded, join_rows
 from mlxcache.layers import Layout, build, describe, leaves, model_caches
 from mlxcache.quant import KVQuant
 

@@ -53,7 +53,7 @@ class RadixCache(Locks, LRUEviction):
         self.page_size = int(page_size)
         self.states = states
         # Called with each leaf about to be evicted (attached, its ancestors intact): a disk
-        # tier spills it there (``mlxcache.engine.disk``).
+        # tier spills it there (``mlxcache.engine._disk``).
         self.on_evict: Callable[[TreeNode], None] | None = None
         self.reset()
 

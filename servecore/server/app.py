@@ -29,13 +29,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from servecore.client import EngineClient
-from servecore.server import anthropic_api, openai_api
-from servecore.server.errors import APIError
-from servecore.server.fields import parse_json
-from servecore.server.formats import ChatFormat, CompletionFormat, MessagesFormat
-from servecore.server.generation import ACCEPTED, KEEPALIVE, Ask, Usage, pieces
-from servecore.server.metrics import Metrics
-from servecore.server.worker import EngineWorker
+from servecore.server import _anthropic_api as anthropic_api
+from servecore.server import _openai_api as openai_api
+from servecore.server._errors import APIError
+from servecore.server._fields import parse_json
+from servecore.server._formats import ChatFormat, CompletionFormat, MessagesFormat
+from servecore.server._generation import ACCEPTED, KEEPALIVE, Ask, Usage, pieces
+from servecore.server._metrics import Metrics
+from servecore.server._worker import EngineWorker
 
 __all__ = ["Server", "create_app"]
 
@@ -53,7 +54,7 @@ class Server:
     >>> Server(engine, model_name="m").check_model({"model": "x"})
     Traceback (most recent call last):
     ...
-    servecore.server.errors.APIError: the model 'x' does not exist here: this server serves 'm'
+    servecore.server._errors.APIError: the model 'x' does not exist here: this server serves 'm'
     """
 
     def __init__(self, engine: EngineClient, *, model_name: str, max_queue: int = 256,

@@ -28,7 +28,7 @@ from hybridattn import serving as S
 from hybridattn import testing
 from hybridattn.backends import ForwardMode
 from hybridattn.engine import Engine
-from hybridattn.engine import runner as E
+from hybridattn.engine import _runner as E
 from hybridattn.engine.options import EngineOptions
 from hybridattn.mesh import make_mesh
 from hybridattn.models import kimi_linear as M

@@ -64,7 +64,7 @@ def test_the_automatic_sizer_reserves_the_largest_steps_working_memory(monkeypat
     temporaries out of the budget, so pools, parameters and working memory fit in it, and no
     step the engine compiles afterwards (prefill and decode buckets of every size) needs
     more."""
-    import hybridattn.engine.core as C
+    import hybridattn.engine._core as C
     import hybridattn.engine.sizing as E
 
     kw = dict(max_running_requests=4, max_context_len=96, decode_steps=4, mem_fraction=0.5,

@@ -330,7 +330,7 @@ def test_soak_250_requests_with_sessions_tight_pools_and_both_evictions():
 
 
 def test_automatic_sizing_keeps_tokens_and_snapshots_within_the_budget(monkeypatch):
-    import hybridattn.engine.core as C
+    import hybridattn.engine._core as C
     import hybridattn.engine.sizing as E
 
     for cache in (False, True):

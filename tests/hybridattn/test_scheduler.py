@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridattn.backends import ForwardMode
+from hybridattn.engine._runner import work_items
 from hybridattn.engine.buckets import ladder
 from hybridattn.engine.plan import Borrow, FreeSlots, Release, Request
-from hybridattn.engine.runner import work_items
 from hybridattn.engine.scheduler import Scheduler
 from hybridattn.serving import make_worker_batch
 from hybridattn.testing import RefReqToTokenPool, RefServingPools, RefSlotAllocator

@@ -303,7 +303,7 @@ def test_follow_feeds_rows_from_the_run_in_flight_and_drops_the_stopped(stopped)
     """``_follow`` against the batch the host would pack knowing the tokens: decode rows 0
     and 1 take the run in flight's samples, prompt chunks keep theirs; a fed row whose token
     is a stop id is padding and the tokens after it move up."""
-    from hybridattn.engine.runner import _follow
+    from hybridattn.engine._runner import _follow
 
     prev = jnp.array([[40, 41, 42], [43, -1, 44]])  # a 2-step run: [N, B'] (row 1 stopped)
     sampled = {0: 44, 1: 40}  # decode row 0 <- column 2, row 1 <- column 0 (step 0)

@@ -35,8 +35,8 @@ pytest.importorskip("mlx_lm")
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import llama, mamba  # noqa: E402
 
-import mlxcache.engine.core as runner_module  # noqa: E402
-import mlxcache.engine.store as store_module  # noqa: E402
+import mlxcache.engine._core as runner_module  # noqa: E402
+import mlxcache.engine._store as store_module  # noqa: E402
 from mlxcache import zoo  # noqa: E402
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache  # noqa: E402
 from mlxcache.engine import Engine, UnusedOptionWarning  # noqa: E402

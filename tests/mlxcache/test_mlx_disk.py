@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (``Engine(cache_dir=...)``, ``mlxcache.engine.disk``) on real
+"""The prefix cache's disk tier (``Engine(cache_dir=...)``, ``mlxcache.engine._disk``) on real
 checkpoint directories, real processes and a real file system.
 
 The oracle is mlx-lm's own greedy decoding (``zoo.reference_generate``, its caches from token

@@ -298,7 +298,7 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
     uncached)) of the N waiting: many short suffixes in a few batches, cold prompts alone;
     an explicit ``prefill_batch_tokens`` is only a cap. Outputs stay mlx-lm's."""
     import mlxcache.engine as eng
-    from mlxcache.engine.core import Core
+    from mlxcache.engine._core import Core
 
     rng = random.Random(23)
     sizes: list[int] = []
@@ -328,7 +328,7 @@ def test_cpu_prefill_batches_are_sized_for_the_mean_ttft(llama_model, monkeypatc
 
 def test_a_long_request_is_not_overtaken_forever(llama_model, monkeypatch):
     """A waiting request overtaken MAX_OVERTAKEN times by shorter ones goes next."""
-    from mlxcache.engine import admission
+    from mlxcache.engine import _admission as admission
 
     monkeypatch.setattr(admission, "MAX_OVERTAKEN", 2)
     rng = random.Random(22)

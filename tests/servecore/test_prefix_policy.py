@@ -1,6 +1,6 @@
 """The prefix policy (``servecore.prefix``) against the radix tree, without MLX or JAX.
 
-Random trees (prompts inserted with slots from a ``ListSlots`` store, states hung at random
+Random trees (prompts inserted with slots from a ``IdPool`` store, states hung at random
 depths, some prefixes locked) and random requests check the rules of the module docstring:
 the last prompt token always runs, a state is restored only at the deepest snapshot on
 ``prompt[:-1]``, ``cached_len`` agrees with ``match``, and ``make_room`` either hands out
@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servecore.ids import IdPool
 from servecore.prefix import (
-    ListSlots,
     SlotSink,
     SlotStore,
     cached_len,
@@ -24,7 +24,6 @@ from servecore.prefix import (
     take_states,
 )
 from servecore.radix import RadixCache
-from servecore.snapshots import SnapshotSlots
 
 prompts_st = st.lists(st.integers(0, 2), min_size=1, max_size=7)
 
@@ -33,7 +32,7 @@ prompts_st = st.lists(st.integers(0, 2), min_size=1, max_size=7)
 def trees(draw, states: bool):
     """A tree with some prompts inserted (slots from a 64-slot store), states on some of their
     prefixes (handles from a 16-slot store) and some prefixes locked."""
-    tree, kv, snaps = RadixCache(states=states), ListSlots(64), ListSlots(16)
+    tree, kv, snaps = RadixCache(states=states), IdPool(64), IdPool(16)
     for prompt in draw(st.lists(prompts_st, max_size=6)):
         got, evicted = make_room(tree, kv, len(prompt), snaps)
         assert got is not None and not evicted.slots
@@ -140,7 +139,7 @@ def test_take_states_hands_out_free_slots_before_evicting(data, n):
 
 
 def test_keep_state_hangs_a_snapshot_once_or_gives_it_back():
-    tree, kv, snaps = RadixCache(states=True), ListSlots(8), ListSlots(4)
+    tree, kv, snaps = RadixCache(states=True), IdPool(8), IdPool(4)
     tree.insert([1, 2, 3], kv.take(3))
     a, b, c = snaps.take(3)
     assert keep_state(tree, [1, 2], a, snaps) and match(tree, [1, 2, 3]).restore == a
@@ -165,4 +164,4 @@ def test_take_states_gives_back_what_it_evicts(data, n):
 
 
 def test_the_snapshot_free_list_is_a_slot_store():
-    assert isinstance(SnapshotSlots(4), SlotStore) and isinstance(ListSlots(4), SlotStore)
+    assert isinstance(IdPool(4), SlotStore)

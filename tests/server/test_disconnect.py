@@ -28,8 +28,8 @@ import pytest
 import wire
 from server_harness import MODEL, hybrid_engine, mlx_engine, serving
 
-from servecore.server.generation import Ask, Usage, pieces
-from servecore.server.worker import EngineWorker
+from servecore.server._generation import Ask, Usage, pieces
+from servecore.server._worker import EngineWorker
 from servecore.testing import FakeEngine, word_tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -24,7 +24,19 @@ __all__ = [
     "param_shapes",
 ]
 
+
 def check_supported(config: KimiLinearConfig) -> None:
+    """``ValueError`` naming the first config value this implementation does not support
+    (a low-rank query projection, rotary MLA, another activation or router); nothing for a
+    config it serves.
+
+    >>> check_supported(KimiLinearConfig.tiny())
+    >>> check_supported(KimiLinearConfig.tiny(hidden_act="gelu"))
+    Traceback (most recent call last):
+    ...
+    ValueError: KimiLinearConfig.hidden_act='gelu' is not supported: the MLPs and the KDA \
+output gate are implemented for 'silu' only
+    """
     if config.q_lora_rank is not None:
         raise ValueError(
             f"KimiLinearConfig.q_lora_rank={config.q_lora_rank} (low-rank query projection) is "

@@ -2,7 +2,7 @@
 
 A request's life (prefix reuse on):
 
-1. *admit* (``mlxcache.engine.admission``): the longest cached prefix is matched and locked;
+1. *admit* (``mlxcache.engine._admission``): the longest cached prefix is matched and locked;
    slots for the tokens the tree lacks are allocated, evicting least recently used unlocked
    prefixes if the pool is short. (A full hit runs its last token again, for its logits, but
    needs no slot: that token's K/V is in the tree already.) If even that fails while other
@@ -58,16 +58,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcache.engine.admission import Admission
-from mlxcache.engine.disk import DiskTier
-from mlxcache.engine.forward import arrays_in
-from mlxcache.engine.job import LIVE, Group, Job
+from mlxcache.engine._admission import Admission
+from mlxcache.engine._disk import DiskTier
+from mlxcache.engine._forward import arrays_in
+from mlxcache.engine._job import LIVE, Group, Job
+from mlxcache.engine._path_plain import PlainPath
+from mlxcache.engine._path_pooled import PooledPath
+from mlxcache.engine._store import PrefixStore
 from mlxcache.engine.memory import working_budget, working_bytes
 from mlxcache.engine.options import EngineOptions
-from mlxcache.engine.path_plain import PlainPath
-from mlxcache.engine.path_pooled import PooledPath
 from mlxcache.engine.stats import EngineStats
-from mlxcache.engine.store import PrefixStore
 from mlxcache.engine.support import Support
 from mlxcache.layers import leaves
 from mlxcache.logprobs import LogprobBatch, logprob_arrays
@@ -182,7 +182,7 @@ class Core:
     def attach_disk(self, disk: DiskStore, salt_key: str, flush_on_close: bool = True) -> None:
         """Put the disk tier ``disk`` (its pages keyed under ``salt_key``) under the store:
         evicted prefixes spill to it, and prompts that reach past memory reload from it
-        (``mlxcache.engine.disk``); ``close`` spills what memory holds (``flush_on_close``)."""
+        (``mlxcache.engine._disk``); ``close`` spills what memory holds (``flush_on_close``)."""
         if self.store is None:
             raise ValueError("a disk tier needs the prefix cache (prefix_cache=True and a "
                              "model the engine reuses prefixes of)")

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from servecore.server import anthropic_api, openai_api
-from servecore.server.errors import APIError
-from servecore.server.generation import Piece, Usage
+from servecore.server import _anthropic_api as anthropic_api
+from servecore.server import _openai_api as openai_api
+from servecore.server._errors import APIError
+from servecore.server._generation import Piece, Usage
 
 __all__ = ["ChatFormat", "CompletionFormat", "MessagesFormat"]
 

@@ -45,9 +45,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxcache.engine.job import Job
+from mlxcache.engine._job import Job
+from mlxcache.engine._store import PrefixStore
 from mlxcache.engine.stats import EngineStats
-from mlxcache.engine.store import PrefixStore
 from mlxcache.engine.support import Support
 from mlxcache.pool import get_kv, get_states, set_kv_all_layers, set_states
 from servecore.diskcache import DiskStore, Page, chain, digest_buffers, salt

@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 from servecore.engine import Event
-from servecore.server.errors import APIError
-from servecore.server.text import TextStream
-from servecore.server.worker import EngineWorker, Generation
+from servecore.server._errors import APIError
+from servecore.server._text import TextStream
+from servecore.server._worker import EngineWorker, Generation
 
 __all__ = ["ACCEPTED", "KEEPALIVE", "Ask", "Piece", "Usage", "pieces"]
 

@@ -11,11 +11,11 @@ but does not implement is accepted only at its default (``unsupported``).
 >>> f.integer("max_tokens", 16, lo=1)
 Traceback (most recent call last):
 ...
-servecore.server.errors.APIError: max_tokens must be an integer >= 1, not 0
+servecore.server._errors.APIError: max_tokens must be an integer >= 1, not 0
 >>> f.finish()
 Traceback (most recent call last):
 ...
-servecore.server.errors.APIError: unrecognized request argument supplied: frobnicate
+servecore.server._errors.APIError: unrecognized request argument supplied: frobnicate
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import math
 from typing import Any
 
-from servecore.server.errors import APIError
+from servecore.server._errors import APIError
 
 __all__ = ["Fields", "parse_json", "text_parts"]
 
@@ -50,7 +50,7 @@ class Fields:
     >>> Fields({"role": 3}, "messages[0]", prefix="messages[0].").string("role")
     Traceback (most recent call last):
     ...
-    servecore.server.errors.APIError: messages[0].role must be a string, not int
+    servecore.server._errors.APIError: messages[0].role must be a string, not int
     """
 
     def __init__(self, body: Any, what: str = "the request body", prefix: str = ""):

@@ -5,8 +5,8 @@ dispatched, the device ops carried out, and what a run hands back.
 the step with its state donated, the multi-step decode, row allocation, release, prefix
 borrowing, slot frees, ``_follow``), or under a mesh the engine's ``sharding.ShardedStep``.
 ``launch`` packs a ``StepPlan`` to its buckets and dispatches it, returning a ``Run`` whose
-outputs are still on the device; ``hybridattn.engine.commit`` reads and commits them. The
-runner owns the request rows and token slots (``hybridattn.engine.ids``; under a mesh each
+outputs are still on the device; ``hybridattn.engine._commit`` reads and commits them. The
+runner owns the request rows and token slots (``servecore.ids.IdPool``; under a mesh each
 data shard's local ids): it names them to the device, which claims them.
 """
 
@@ -26,7 +26,6 @@ from hybridattn import sharding
 from hybridattn.backends import ForwardMode
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine.buckets import LOGPROB_BUCKETS, STOP_BUCKETS, bucket
-from hybridattn.engine.ids import IdPool
 from hybridattn.engine.plan import (
     Admission,
     Borrow,
@@ -50,6 +49,7 @@ from hybridattn.serving import (
     token_logprobs,
 )
 from hybridattn.serving.decode import padding_unless
+from servecore.ids import IdPool
 
 __all__ = ["Follow", "Run", "Runner", "largest_step_bytes", "logprob_width", "work_items"]
 
@@ -338,14 +338,14 @@ class Run:
 class Runner:
     """One engine's device side: the pools (``state``), the parameters, the jitted calls and
     the run in flight (see the module docstring). It owns the request rows (``rows``) and
-    token slots (``slots``): one ``hybridattn.engine.ids.IdPool`` of each per data shard. The
+    token slots (``slots``): one ``servecore.ids.IdPool`` of each per data shard. The
     device claims what the host names, and ``check_rows`` reads the row claims' flags at the
     next commit.
 
     ``stats`` is the engine's ``EngineStats``: ``call`` adds the compilations it needed.
 
     >>> import jax
-    >>> from hybridattn.engine.core import build_core
+    >>> from hybridattn.engine._core import build_core
     >>> from hybridattn.engine.options import EngineOptions
     >>> from hybridattn.models import kimi_linear
     >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
@@ -488,7 +488,7 @@ class Runner:
             at = r.computed + (plan.ahead[j] if plan.ahead else 0)
             held = min(max(len(r.row_slots) - at, 0), len(toks))  # borrowed positions
             need.append((held, len(toks) - held))
-        taken = self.slots[shard].take(sum(n for _, n in need))
+        taken = self.slots[shard].claim(sum(n for _, n in need))
         named, i = [], 0
         for held, n in need:
             named.append([0] * held + taken[i: i + n])
@@ -544,7 +544,7 @@ class Runner:
         records the restored depth. Returns the row. Nothing is read back (with a step in
         flight a read would wait for it): the claim is checked at the next commit."""
         shard = adm.req.shard
-        [row] = self.rows[shard].take(1)
+        [row] = self.rows[shard].claim(1)
         try:
             self.state, ok = self._claim_row(adm, row)
         except BaseException:

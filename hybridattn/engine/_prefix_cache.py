@@ -31,12 +31,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from hybridattn.engine.plan import Borrow, FreeSlots, Request, StepPlan
+from servecore.ids import IdPool
 from servecore.prefix import evict_shortfall, give_back, keep_state, match, take_states
 from servecore.radix import Evicted, RadixCache
 from servecore.requests import finish_after
-from servecore.snapshots import SnapshotSlots, snapshot_points
+from servecore.snapshots import snapshot_points
 
-__all__ = ["PrefixCache", "SnapshotSlots", "snapshot_points"]
+__all__ = ["PrefixCache", "snapshot_points"]
 
 ReadSlots = Callable[[Request, int], Sequence[int]]
 
@@ -79,7 +80,7 @@ class PrefixCache:
     def __init__(self, *, num_snapshot_slots: int, snapshot_interval: int,
                  device_ops: deque):
         self.tree = RadixCache(states=True)
-        self.snapshot_slots = SnapshotSlots(num_snapshot_slots)
+        self.snapshot_slots = IdPool(num_snapshot_slots, "snapshot slot")
         self.snapshot_interval = snapshot_interval
         self.device_ops = device_ops
         self.frees = DeviceFrees(device_ops)

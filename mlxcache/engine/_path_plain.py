@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache.engine.job import Group, Job
+from mlxcache.engine._job import Group, Job
 
 __all__ = ["PlainPath"]
 

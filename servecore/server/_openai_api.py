@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from servecore.prompts import encode_prompt
-from servecore.server.errors import APIError
-from servecore.server.fields import Fields, text_parts
-from servecore.server.generation import Ask, Usage
+from servecore.server._errors import APIError
+from servecore.server._fields import Fields, text_parts
+from servecore.server._generation import Ask, Usage
 
 __all__ = ["parse_chat", "parse_completion"]
 

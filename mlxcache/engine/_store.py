@@ -32,8 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache import RaggedArraysCache, RaggedKVCache, kv_concat
-from mlxcache.engine.forward import arrays_in
-from mlxcache.engine.job import Job
+from mlxcache.engine._forward import arrays_in
+from mlxcache.engine._job import Job
 from mlxcache.engine.options import EngineOptions, check_page_size
 from mlxcache.engine.sizing import PoolSizes, pool_sizes
 from mlxcache.engine.stats import EngineStats

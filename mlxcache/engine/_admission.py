@@ -28,10 +28,10 @@ from collections import deque
 
 import mlx.core as mx
 
-from mlxcache.engine.job import Job
+from mlxcache.engine._job import Job
+from mlxcache.engine._store import PrefixStore
 from mlxcache.engine.memory import WorkingBudget
 from mlxcache.engine.options import EngineOptions
-from mlxcache.engine.store import PrefixStore
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "DEFER_SHARED_TOKENS",
            "MAX_OVERTAKEN", "SHORTEST_FIRST_LOOKAHEAD", "Admission"]

@@ -1,7 +1,7 @@
 """Committing a run's output, in named steps: read it off the device and check it
 (``read_output``), cut out what finished since it was dispatched (``live_part``), split a
 multi-step decode into its steps (``decode_run_steps``), and keep the stats
-(``StatsClock``). ``hybridattn.engine.core`` calls them in that order; the scheduler's
+(``StatsClock``). ``hybridattn.engine._core`` calls them in that order; the scheduler's
 ``commit`` then records the tokens. (The token slots a run wrote are the ones the host named
 when it launched it: nothing is read back for them.)
 
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridattn.engine._runner import Run
 from hybridattn.engine.plan import Mode, Request, StepPlan
-from hybridattn.engine.runner import Run
 from hybridattn.engine.stats import EngineStats
 from hybridattn.sharding import to_host
 from servecore.engine import TokenLogprobs

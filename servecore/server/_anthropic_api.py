@@ -18,9 +18,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from servecore.server.fields import Fields, text_parts
-from servecore.server.generation import Ask, Usage
-from servecore.server.openai_api import _encode
+from servecore.server._fields import Fields, text_parts
+from servecore.server._generation import Ask, Usage
+from servecore.server._openai_api import _encode
 
 __all__ = ["parse_count_tokens", "parse_messages"]
 
@@ -74,7 +74,7 @@ def parse_messages(body: Any, tokenizer: Any, *, vocab_size: int) -> Ask:
     ...                word_tokenizer(32), vocab_size=32)
     Traceback (most recent call last):
     ...
-    servecore.server.errors.APIError: max_tokens is required
+    servecore.server._errors.APIError: max_tokens is required
     """
     f = Fields(body)
     f.string("model", required=True)

@@ -1,5 +1,5 @@
 """The core of ``hybridattn.Engine``: ``servecore.engine.EngineCore`` over the plain-Python
-scheduler (``hybridattn.engine.scheduler``) and the device runner (``hybridattn.engine.runner``).
+scheduler (``hybridattn.engine.scheduler``) and the device runner (``hybridattn.engine._runner``).
 
 It knows requests by the id ``servecore.streams.Streams`` gives them. Each round
 (``run_round``):
@@ -11,7 +11,7 @@ It knows requests by the id ``servecore.streams.Streams`` gives them. Each round
    tokens) with every decoding request riding along, or a ``DECODE`` step of every running
    request; a ``DECODE`` step nothing could join runs ``decode_steps`` steps in one dispatch.
 3. **Pad** the plan to its shape buckets and dispatch it (``Runner.launch``).
-4. **Commit** its tokens (``hybridattn.engine.commit``), emitting an ``Event`` per token;
+4. **Commit** its tokens (``hybridattn.engine._commit``), emitting an ``Event`` per token;
    finished requests release their rows and slots, and waiting ones move up.
 
 **Overlapped scheduling** (``overlap``, the default on one device): a step is left on the
@@ -43,8 +43,7 @@ import jax
 
 from hybridattn import sharding
 from hybridattn.config import KimiLinearConfig
-from hybridattn.engine.buckets import STOP_BUCKETS, StepBuckets, bucket
-from hybridattn.engine.commit import (
+from hybridattn.engine._commit import (
     StatsClock,
     decode_run_steps,
     live_part,
@@ -52,9 +51,10 @@ from hybridattn.engine.commit import (
     read_logprobs,
     read_output,
 )
+from hybridattn.engine._runner import Follow, Run, Runner, largest_step_bytes
+from hybridattn.engine.buckets import STOP_BUCKETS, StepBuckets, bucket
 from hybridattn.engine.options import EngineOptions
 from hybridattn.engine.plan import Mode, Request, ShardedPlan, StepPlan
-from hybridattn.engine.runner import Follow, Run, Runner, largest_step_bytes
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
 from hybridattn.engine.sizing import MemoryReport, PoolSizes, pool_sizes
 from hybridattn.engine.stats import EngineStats

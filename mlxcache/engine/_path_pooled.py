@@ -32,9 +32,9 @@ from typing import Any
 import mlx.nn as nn
 
 from mlxcache.cache import RaggedKVCache
-from mlxcache.engine.forward import forward_padded, join_rows
-from mlxcache.engine.job import Group, Job
-from mlxcache.engine.store import PrefixStore
+from mlxcache.engine._forward import forward_padded, join_rows
+from mlxcache.engine._job import Group, Job
+from mlxcache.engine._store import PrefixStore
 from mlxcache.engine.support import Support
 from mlxcache.layers import build, leaves
 

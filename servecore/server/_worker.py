@@ -27,7 +27,7 @@ from typing import Any
 from servecore.client import EngineClient
 from servecore.engine import Event
 from servecore.errors import EngineClosedError, InvalidRequest
-from servecore.server.errors import APIError
+from servecore.server._errors import APIError
 
 __all__ = ["MAX_FAILED_ROUNDS", "EngineWorker", "Generation"]
 
