@@ -174,3 +174,19 @@ def test_the_server_touches_the_engine_through_the_front_door_only(path):
             if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
                 bad.append(f"{node.lineno}: reads {ast.unparse(node)}")
     assert not bad, f"{path.name}: " + "; ".join(bad)
+
+
+def _serve_block() -> str:
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+                if "def serve(engine)" in b]
+    return block
+
+
+def test_the_getting_started_function_runs_on_both_engines(engine):
+    namespace: dict = {"__name__": "docs_serve"}
+    exec(compile(_serve_block(), "docs/getting-started.md:serve", "exec"), namespace)
+    ids, text, streamed, events, refused = namespace["serve"](engine)
+    assert streamed == ids[0] and [ev.token for ev in events] == ids[0]
+    assert all(len(ev.logprobs.top) == 2 for ev in events)
+    assert isinstance(text[0], str) and refused == ("top_p", 0.0)
