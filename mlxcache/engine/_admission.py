@@ -1,4 +1,4 @@
-"""Admission: which waiting requests go into the next prefill batch.
+"""``AdmissionPolicy``: which waiting requests go into the next prefill batch.
 
 Requests are admitted fewest uncached tokens first (among the first
 ``SHORTEST_FIRST_LOOKAHEAD`` waiting; one overtaken ``MAX_OVERTAKEN`` times goes next),
@@ -15,7 +15,7 @@ running requests and it could come to need would not fit their budget
 
 Examples:
     >>> from mlxcache.engine.options import check_options
-    >>> a = Admission(check_options(prefill_batch_tokens=64), store=None, batched=True)
+    >>> a = AdmissionPolicy(check_options(prefill_batch_tokens=64), store=None, batched=True)
     >>> a.prefill_batch_tokens, a.forward_cost, len(a.waiting)
     (64, None, 0)
 """
@@ -34,7 +34,7 @@ from mlxcache.engine.memory import WorkingBudget
 from mlxcache.engine.options import EngineOptions
 
 __all__ = ["CPU_FORWARD_COST_TOKENS", "CPU_PREFILL_BATCH_TOKENS", "DEFER_SHARED_TOKENS",
-           "MAX_OVERTAKEN", "SHORTEST_FIRST_LOOKAHEAD", "Admission"]
+           "MAX_OVERTAKEN", "SHORTEST_FIRST_LOOKAHEAD", "AdmissionPolicy"]
 
 DEFER_SHARED_TOKENS = 64
 """A request waits for the next prefill batch when it shares this many uncached tokens (or
@@ -66,14 +66,14 @@ MAX_OVERTAKEN = 16
 """A waiting request overtaken this many times by shorter ones is admitted next."""
 
 
-class Admission:
+class AdmissionPolicy:
     """The waiting queue and the rule that takes prefill batches from it (see the module
     docstring). ``store`` is the prefix store (None without reuse); ``batched``: whether a
     batch may hold more than one request; ``working``: the decode buffers' budget (None:
     none).
 
     >>> from mlxcache.engine.options import check_options
-    >>> Admission(check_options(), store=None, batched=False).max_batch_size
+    >>> AdmissionPolicy(check_options(), store=None, batched=False).max_batch_size
     32
     """
 

@@ -58,7 +58,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcache.engine._admission import Admission
+from mlxcache.engine._admission import AdmissionPolicy
 from mlxcache.engine._disk import DiskTier
 from mlxcache.engine._forward import arrays_in
 from mlxcache.engine._job import LIVE, Group, Job
@@ -100,7 +100,7 @@ class Core:
         self.path = (PooledPath(model, support, self.store, opts.page_size)
                      if support.supported else PlainPath(model))
         self.working = working_budget(support, opts, self.store, lambda: self.path.groups)
-        self.admission = Admission(opts, self.store, support.batched, self.working)
+        self.admission = AdmissionPolicy(opts, self.store, support.batched, self.working)
         self.peak_working_bytes = 0  # the most the decode buffers held after a round
         self.jobs: dict[int, Job] = {}
         self.disk: DiskTier | None = None  # attach_disk: the disk tier under the store
