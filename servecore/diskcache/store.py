@@ -118,7 +118,7 @@ class DiskStore:
         if budget_bytes < 0 or min_free_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes} and min_free_bytes={min_free_bytes} "
                              "must be at least 0")
-        self.directory = pathlib.Path(directory)
+        self.directory = pathlib.Path(directory).expanduser()  # the README's "~/..."
         self.budget_bytes, self.min_free_bytes = int(budget_bytes), int(min_free_bytes)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _own(self.directory)

@@ -12,12 +12,61 @@ own flags and running the app under uvicorn.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
+from servecore.diskcache import DirectoryInUse
 from servecore.server.app import create_app
 
-__all__ = ["add_server_args", "main", "run"]
+__all__ = ["add_server_args", "int_in", "main", "run", "seconds_in"]
+
+
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[lo, hi]`` (``hi`` None: no upper bound), else a
+    usage error that says the range.
+
+    >>> int_in(1, 65535)("8000")
+    8000
+    >>> int_in(1)("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: 0 is not an int >= 1
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{text} is not {want}")
+        return value
+
+    return parse
+
+
+def seconds_in(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of seconds in ``[lo, hi]``.
+
+    >>> seconds_in(0.1, 3600)("10")
+    10.0
+    >>> seconds_in(0.1, 3600)("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: 0 is not a number of seconds in [0.1, 3600]
+    """
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not lo <= value <= hi:  # (NaN fails both)
+            raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in "
+                                             f"[{lo:g}, {hi:g}]")
+        return value
+
+    return parse
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> None:
@@ -30,16 +79,18 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
     """
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="port (default 8000; 0: any free port)")
     g.add_argument("--served-model-name", default=default_name,
                    help="the model name clients send and see (default: the --model "
                    f"directory's name, else {default_name!r})")
-    g.add_argument("--max-queue", type=int, default=256,
+    g.add_argument("--max-queue", type=int_in(1), default=256,
                    help="requests that may wait for their first token before more get 429")
-    g.add_argument("--max-body-bytes", type=int, default=8 << 20,
+    g.add_argument("--max-body-bytes", type=int_in(1), default=8 << 20,
                    help="the largest request body taken (default 8 MiB; 413 past it)")
-    g.add_argument("--keepalive", type=float, default=10.0,
-                   help="seconds between keep-alive comments while a stream waits")
+    g.add_argument("--keepalive", type=seconds_in(0.1, 3600), default=10.0,
+                   help="seconds between keep-alive comments while a stream waits (0.1 to "
+                   "3600; default 10)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -67,7 +118,8 @@ def main(parser: argparse.ArgumentParser, build_engine: Callable[[Any], Any],
          argv: list[str] | None = None) -> int:
     """A serve command: parse ``argv`` with ``parser`` (which has ``add_server_args``' flags
     and ``--model``), build the engine (``build_engine(args)``; a ``ValueError``,
-    ``TypeError`` or ``OSError`` is a usage error naming the problem) and serve it.
+    ``TypeError``, ``OSError`` or a cache directory another server owns is a usage error
+    naming the problem, exit status 2) and serve it.
 
     >>> p = argparse.ArgumentParser(prog="serve")
     >>> add_server_args(p, default_name="m")
@@ -82,7 +134,7 @@ def main(parser: argparse.ArgumentParser, build_engine: Callable[[Any], Any],
         args.served_model_name = args.model.rstrip("/").rsplit("/", 1)[-1]
     try:
         engine = build_engine(args)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, DirectoryInUse) as e:
         parser.error(str(e))
     run(engine, args)
     return 0
