@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["APIError"]
+__all__ = ["APIError", "shaped"]
 
 # status -> (OpenAI's error type, Anthropic's)
 _TYPES = {
     400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    403: ("permission_error", "permission_error"),
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
     499: ("invalid_request_error", "invalid_request_error"),  # the client left
     500: ("server_error", "api_error"),
@@ -52,3 +55,13 @@ class APIError(Exception):
         """The Anthropic error object."""
         kind = _TYPES.get(self.status, ("server_error", "api_error"))[1]
         return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def shaped(path: str, e: APIError) -> dict[str, Any]:
+    """``e`` in the shape of the API ``path`` belongs to (Anthropic's under ``/v1/messages``,
+    else OpenAI's).
+
+    >>> shaped("/v1/messages", APIError(401, "no key"))["error"]["type"]
+    'authentication_error'
+    """
+    return e.anthropic() if path.startswith("/v1/messages") else e.openai()

@@ -20,10 +20,12 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -31,7 +33,8 @@ from starlette.routing import Route
 from servecore.client import EngineClient
 from servecore.server import _anthropic_api as anthropic_api
 from servecore.server import _openai_api as openai_api
-from servecore.server._errors import APIError
+from servecore.server._door import Door
+from servecore.server._errors import APIError, shaped
 from servecore.server._fields import parse_json
 from servecore.server._formats import ChatFormat, CompletionFormat, MessagesFormat
 from servecore.server._generation import ACCEPTED, KEEPALIVE, Ask, Usage, pieces
@@ -85,10 +88,6 @@ class Server:
         if isinstance(model, str) and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist here: this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
-
-
-def _shape(path: str, e: APIError) -> dict[str, Any]:
-    return e.anthropic() if path.startswith("/v1/messages") else e.openai()
 
 
 class Answer:
@@ -210,8 +209,13 @@ async def _disconnect(receive: Any) -> None:
 
 
 async def _body(server: Server, request: Request) -> Any:
-    """The request's JSON (at most ``server.max_body_bytes``; 413 past it), its model
-    checked."""
+    """The request's JSON (a JSON content type, or none: 415 for any other, so that a web
+    page's form or ``text/plain`` POST is never read; at most ``server.max_body_bytes``:
+    413 past it), its model checked."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), "
+                       f"not {kind!r}", param="content-type")
     limit = server.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -301,13 +305,15 @@ def _routes(server: Server) -> list[Route]:
 
 def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
                keepalive: float = 10.0, max_body_bytes: int = 8 << 20,
-               close_engine: bool = False) -> Starlette:
+               close_engine: bool = False, api_key: str | None = None,
+               allowed_origins: Sequence[str] = ()) -> Starlette:
     """The server's ASGI application over ``engine`` (a ``servecore.client.EngineClient``
     with a tokenizer: ``hybridattn.Engine``, ``mlxcache.Engine``). Its
     lifespan starts the engine's worker thread and stops it (``uvicorn`` runs both), then,
     with ``close_engine``, closes the engine (an engine with a disk tier spills its prefixes
     there: on SIGTERM uvicorn ends the process by the signal right after the lifespan, so
-    the serve commands close it here); ``app.state.server`` is the ``Server``.
+    the serve commands close it here); ``app.state.server`` is the ``Server``. ``api_key``
+    and ``allowed_origins`` are the door's (``servecore.server._door``: who may call).
 
     >>> from servecore.testing import FakeEngine, word_tokenizer
     >>> app = create_app(FakeEngine(tokenizer=word_tokenizer(32)), model_name="m")
@@ -326,7 +332,7 @@ def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
         server.metrics.request(path if path in routes else "other", e.status)
         if e.status == 499:  # the client left (while it sent its body): no fault
             server.metrics.disconnected()
-        return JSONResponse(_shape(request.url.path, e), status_code=e.status)
+        return JSONResponse(shaped(request.url.path, e), status_code=e.status)
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         what = ("no route" if e.status_code == 404 else "method not allowed")
@@ -349,6 +355,7 @@ def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
                 await loop.run_in_executor(None, engine.close)
 
     app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
-        APIError: api_error, HTTPException: http_error, Exception: fault})
+        APIError: api_error, HTTPException: http_error, Exception: fault},
+        middleware=[Middleware(Door, api_key=api_key, allowed_origins=allowed_origins)])
     app.state.server = server
     return app

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,10 @@ def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _origins(text: str) -> list[str]:
+    return [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
 
 
 def seconds_in(lo: float, hi: float) -> Callable[[str], float]:
@@ -91,6 +96,13 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
     g.add_argument("--keepalive", type=seconds_in(0.1, 3600), default=10.0,
                    help="seconds between keep-alive comments while a stream waits (0.1 to "
                    "3600; default 10)")
+    g.add_argument("--api-key", default=os.environ.get("SERVECORE_API_KEY"),
+                   help="the key every /v1 request must carry (Authorization: Bearer KEY, or "
+                   "x-api-key: KEY); default: $SERVECORE_API_KEY, else none needed")
+    g.add_argument("--allowed-origins", default="", type=_origins,
+                   help="comma-separated web origins whose pages may call the server (e.g. "
+                   "http://localhost:3000; * for any); default: none, so a request a web "
+                   "page sends (it carries an Origin header) is refused")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -106,7 +118,8 @@ def run(engine: Any, args: argparse.Namespace) -> None:
 
     app = create_app(engine, model_name=args.served_model_name, max_queue=args.max_queue,
                      keepalive=args.keepalive, max_body_bytes=args.max_body_bytes,
-                     close_engine=True)
+                     close_engine=True, api_key=args.api_key,
+                     allowed_origins=args.allowed_origins)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
