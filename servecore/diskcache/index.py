@@ -78,7 +78,7 @@ class Index:
         self._batch("DELETE FROM pages WHERE key = ?", [(k,) for k in keys])
 
     def touch(self, keys: Iterable[str], used: float) -> None:
-        """Mark ``keys`` used at ``used`` (seconds since the epoch; one transaction)."""
+        """Mark ``keys`` used at ``used`` (the store's use counter; one transaction)."""
         self._batch("UPDATE pages SET used = ? WHERE key = ?", [(used, k) for k in keys])
 
     def _batch(self, sql: str, rows: list[tuple]) -> None:

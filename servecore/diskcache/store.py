@@ -48,7 +48,6 @@ import os
 import pathlib
 import shutil
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -130,6 +129,10 @@ class DiskStore:
         self._children: dict[str, set[str]] = {}  # parent key -> keys held
         self._queued: set[str] = set()  # put, not yet written
         self._queued_bytes = 0
+        # The use order (least recently used goes first) is a counter, not the wall clock: a
+        # clock stepped back would make the newest pages look oldest. It starts past every
+        # page the index holds (older indexes hold epoch seconds: still an order).
+        self._clock = 0.0
         self.index: Index | None = None
         try:
             self.pages.mkdir(exist_ok=True)
@@ -220,7 +223,7 @@ class DiskStore:
                 log.info("diskcache: page %s (%d bytes) does not fit the budget", key, size)
                 return
             path = write_page(self.pages, page)
-            entry = Entry(key, parent, salt, num_tokens, size, time.time())
+            entry = Entry(key, parent, salt, num_tokens, size, self._tick())
             try:
                 self.index.add(entry)
             except BaseException:  # unrecorded: not left on disk outside the budget
@@ -239,6 +242,12 @@ class DiskStore:
                 self._queued.discard(key)
                 self._queued_bytes -= queued
                 self._room.notify_all()
+
+    def _tick(self) -> float:
+        """The next mark of the use order."""
+        with self._mu:
+            self._clock += 1.0
+            return self._clock
 
     def _make_room(self, size: int, keep: str | None = None) -> bool:
         """Evict least recently used leaves (never ``keep``) until ``size`` more bytes fit
@@ -311,7 +320,7 @@ class DiskStore:
                 break
             pages.append(got)
         if pages:
-            now = time.time()
+            now = self._tick()
             with self._mu:
                 for p in pages:
                     if p.key in self._entries:
@@ -396,6 +405,7 @@ class DiskStore:
 
     def _reconcile(self) -> None:
         rows = {e.key: e for e in self.index.entries()}
+        self._clock = max((e.used for e in rows.values()), default=0.0)
         files = {p.name: p for p in self.pages.iterdir()}
         gone = []
         for name, p in files.items():

@@ -182,6 +182,27 @@ def test_a_long_session_with_a_small_budget_never_exceeds_it(tmp_path):
         assert _du(tmp_path) <= budget // 2 and store.num_pages > 0
 
 
+def test_the_least_recently_used_page_goes_first_whatever_the_clock_says(tmp_path,
+                                                                         monkeypatch):
+    """Use order is the order of puts and loads, not the wall clock's: with the clock stepped
+    back an hour between two pages, the older page is still the one evicted."""
+    import time
+
+    page_bytes = None
+    clock = [1_700_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    with DiskStore(tmp_path, budget_bytes=10**6, min_free_bytes=0) as store:
+        old = _put_chain(store, [1] * PAGE)
+        page_bytes = store.num_bytes
+    clock[0] -= 3600.0  # an NTP step back, or a reboot into a wrong clock
+    budget = _du(tmp_path) + page_bytes + 4096 + page_bytes // 2  # one more page, not two
+    with DiskStore(tmp_path, budget_bytes=budget, min_free_bytes=0) as store:
+        new = _put_chain(store, [2] * PAGE)
+        assert store.has(old[0]) and store.has(new[0])
+        third = _put_chain(store, [3] * PAGE)
+        assert store.has(third[0]) and store.has(new[0]) and not store.has(old[0])
+
+
 def test_a_page_larger_than_the_budget_is_not_written(tmp_path):
     with DiskStore(tmp_path, budget_bytes=100, min_free_bytes=0) as store:
         assert _put_chain(store, [1, 2, 3, 4]) and store.num_pages == 0
