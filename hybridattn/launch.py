@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
-__all__ = ["environment", "initialize", "main", "start"]
+__all__ = ["environment", "initialize", "main", "start", "supervise"]
 
 _PREFIX = "HYBRIDATTN_"
 
@@ -94,9 +96,48 @@ def initialize() -> bool:
     return True
 
 
+def supervise(procs: Sequence[subprocess.Popen], grace_seconds: float = 10.0) -> int:
+    """Wait for ``procs``; the first non-zero exit code of theirs (0 if none). A SIGTERM or
+    SIGINT to this process is forwarded to each of them, and those still running
+    ``grace_seconds`` later are killed, so that stopping the launcher stops its processes
+    (and reaps them); the code is then ``128 + signal``, as a shell reports it. Call it from
+    the main thread (signal handlers live there).
+
+    >>> supervise(start(["-c", "import sys; sys.exit(3)"], processes=2, devices=1))
+    3
+    """
+    caught: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if not caught:
+            caught.append(signum)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+    kinds = (signal.SIGTERM, signal.SIGINT)
+    before = {kind: signal.signal(kind, forward) for kind in kinds}
+    try:
+        deadline = None
+        while any(proc.poll() is None for proc in procs):
+            if caught and deadline is None:
+                deadline = time.monotonic() + grace_seconds
+            if deadline is not None and time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+            time.sleep(0.05)
+    finally:
+        for kind, handler in before.items():
+            signal.signal(kind, handler)
+    if caught:
+        return 128 + caught[0]
+    return next((proc.returncode for proc in procs if proc.returncode), 0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hybridattn.launch``: start the processes, wait for them all; the exit code
-    is the first non-zero one of theirs.
+    """``python -m hybridattn.launch``: start the processes, wait for them all
+    (``supervise``: a SIGTERM or Ctrl-C is passed on to them); the exit code is the first
+    non-zero one of theirs.
 
     >>> main(["--processes", "2", "--devices", "1", "--", "-c", "import sys; sys.exit(0)"])
     0
@@ -111,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         p.error("give the program to run after --")
-    procs = start(program, processes=args.processes, devices=args.devices)
-    codes = [proc.wait() for proc in procs]
-    return next((c for c in codes if c), 0)
+    return supervise(start(program, processes=args.processes, devices=args.devices))
 
 
 if __name__ == "__main__":

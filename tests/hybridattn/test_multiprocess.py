@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -105,3 +106,36 @@ def test_a_process_that_dies_ends_the_other_in_bounded_time(tmp_path):
     assert code1 == 3 and code0 != 0 and got is None, ran
     assert "Task 1 heartbeat timeout" in log0, log0[-2000:]  # JAX's error, naming the task
     assert time.monotonic() - t < 240
+
+
+_SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and waiting to be reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigterm_to_the_launcher_stops_its_processes():
+    """``python -m hybridattn.launch`` stopped as a service manager stops it: the signal
+    reaches every process it started, and the launcher exits after them (128 + SIGTERM)."""
+    import signal
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hybridattn.launch", "--processes", "2", "--devices", "1",
+         "--", "-c", _SLEEPER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(launcher.stdout.readline()) for _ in range(2)]
+        assert all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        launcher.kill()
+        for pid in locals().get("pids", []):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
