@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from servecore.server._errors import APIError
@@ -32,15 +33,57 @@ _MISSING = object()
 
 
 def parse_json(raw: bytes) -> Any:
-    """The JSON of a request body, or a 400 saying why it is not JSON.
+    r"""The JSON of a request body, or a 400 saying why it is not JSON. A string that holds
+    half of a UTF-16 surrogate pair (``"\ud800"``: JSON allows it, no text has it) is
+    refused too, naming where it is: no tokenizer, log or answer can carry it.
 
     >>> parse_json(b'{"a": 1}')
     {'a': 1}
+    >>> parse_json(rb'{"a": ["ok", "\ud83d\ude00", "\ud800"]}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    servecore.server._errors.APIError: the request body holds a lone UTF-16 surrogate ... in a[2]
     """
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # (a pair decodes to one character: only then look)
+        where = _lone_surrogate(body, "")
+        if where is not None:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate (half of a "
+                           f"pair, not text) in {where or 'the body'}",
+                           param=where.split("[")[0].split(".")[0] or None)
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(x: Any, path: str) -> str | None:
+    """Where in ``x`` a string (a key or a value) fails to encode as UTF-8, or None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(x, dict):
+        for k, v in x.items():
+            name = f"{path}.{k}" if path else str(k)
+            try:
+                k.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "a field's name"
+            found = _lone_surrogate(v, name)
+            if found is not None:
+                return found
+    if isinstance(x, list):
+        for i, v in enumerate(x):
+            found = _lone_surrogate(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 class Fields:

@@ -332,7 +332,8 @@ def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
         server.metrics.request(path if path in routes else "other", e.status)
         if e.status == 499:  # the client left (while it sent its body): no fault
             server.metrics.disconnected()
-        return JSONResponse(shaped(request.url.path, e), status_code=e.status)
+        return Response(json.dumps(shaped(request.url.path, e)), status_code=e.status,
+                        media_type="application/json")
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         what = ("no route" if e.status_code == 404 else "method not allowed")

@@ -84,3 +84,23 @@ def test_an_api_key_is_needed_by_every_v1_route_and_both_clients_send_it():
         assert httpx.get(srv.url + "/health").status_code == 200  # open: a probe's route
         r = httpx.post(srv.base + "/completions", json={"model": MODEL, "prompt": "w5"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("raw", [
+    '{"model": "%s", "messages": [{"role": "user", "content": "w7"}], "\\ud800x": 1}',
+    '{"model": "%s", "messages": [{"role": "user", "content": "w7 \\udfff"}]}',
+    '{"model": "%s", "prompt": ["w7", "\\ud800"]}',
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw):
+    """JSON may escape half of a UTF-16 pair, which is no text: a field's name or value that
+    holds one is refused at the door (before: a 500 with a traceback in the log)."""
+    engine = _engine()
+    with serving(engine) as srv:
+        route = "/completions" if "prompt" in raw else "/chat/completions"
+        r = httpx.post(srv.base + route, content=raw % MODEL,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
+        ok = httpx.post(srv.base + "/chat/completions", json={**CHAT, "messages": [
+            {"role": "user", "content": "w7 \U0001F600"}]})  # a pair is text: served
+        assert ok.status_code == 200
