@@ -95,6 +95,17 @@ class EngineClient:
         """The ids that end a request unless it gives ``stop_token_ids``."""
         return self._streams.build.eos_ids
 
+    def room_for(self, prompt_len: int) -> int | None:
+        """The largest ``max_tokens`` a prompt of ``prompt_len`` tokens may ask for (at least
+        0: a prompt that does not fit at all has none), or None when the engine sets no
+        limit of its own (memory aside). A server's default ``max_tokens`` is cut to it.
+
+        >>> from servecore.testing import FakeEngine
+        >>> FakeEngine().room_for(100) is None
+        True
+        """
+        return None
+
     @property
     def memory(self) -> Any:
         """What the engine holds for serving, part by part (each engine's report)."""

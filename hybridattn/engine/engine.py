@@ -137,6 +137,19 @@ class Engine(EngineClient):
     snapshot_interval = delegate("options.snapshot_interval", "The snapshot grid, tokens.")
     overlap = delegate("options.overlap", "Whether rounds overlap the device's step.")
 
+    def room_for(self, prompt_len: int) -> int:
+        """The largest ``max_tokens`` a prompt of ``prompt_len`` tokens may ask for: the
+        context (``max_context_len``, and the token slots of one data shard) less the prompt,
+        plus the last token, which is returned, never fed back (0: the prompt does not fit).
+
+        >>> from hybridattn.models import kimi_linear
+        >>> cfg = KimiLinearConfig.tiny(num_hidden_layers=2, hidden_size=32, vocab_size=64)
+        >>> Engine(cfg, kimi_linear.init_params(cfg, jax.random.key(0)),
+        ...        max_context_len=16, num_token_slots=33).room_for(10)
+        7
+        """
+        return max(0, min(self.max_context_len, self.shard_capacity) - prompt_len + 1)
+
     @property
     def num_free_slots(self) -> int:
         """Token slots neither held by a request nor by the prefix cache (``Core``'s count)."""

@@ -145,12 +145,34 @@ class Engine(EngineClient):
         weakref.finalize(self, owner.close)
 
     def _fits(self, name: str, request: GenerationRequest) -> None:
-        """A prompt must fit the KV pool (with reuse): it is inserted whole."""
+        """A prompt must fit the KV pool (with reuse): it is inserted whole; prompt and answer
+        must fit the model's positions (``max_position_embeddings``, when it says)."""
         n = len(request.tokens)
         if self.reuse and n > self.num_slots - 1:
             raise InvalidRequest(f"{name} has {n} tokens but the KV pool holds at most "
                                  f"{self.num_slots - 1} (num_slots={self.num_slots}); raise "
                                  "num_slots", field="prompt", value=n)
+        limit = self.max_positions
+        if limit is not None and request.context_len > limit:
+            field, value = ("prompt", n) if n > limit else ("max_tokens", request.max_tokens)
+            raise InvalidRequest(
+                f"{name} of {n} tokens + max_tokens={request.max_tokens} needs "
+                f"{request.context_len} positions, more than the model's "
+                f"max_position_embeddings={limit}",
+                field=field, value=value)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (its config's), or None if it does not
+        say: a prompt and its answer must fit it."""
+        value = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
+
+    def room_for(self, prompt_len: int) -> int | None:
+        """The largest ``max_tokens`` for a prompt of ``prompt_len`` tokens: the model's
+        positions less the prompt, plus the last token (None: the model sets no limit)."""
+        limit = self.max_positions
+        return None if limit is None else max(0, limit - prompt_len + 1)
 
     # ------------------------------------------------------------------ the model ----
 

@@ -47,6 +47,7 @@ class Ask:
     prompts: list[list[int]]
     n: int = 1
     max_tokens: int = 16
+    max_tokens_given: bool = True  # False: the server's default, cut to what fits the context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -128,7 +129,11 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
     def submit(choice: int) -> None:
         prompt, i = divmod(choice, ask.n)
         seed = None if ask.seed is None else (ask.seed + i) % 2**31
-        worker.submit(gen, choice, ask.prompts[prompt], ask.max_tokens,
+        max_tokens = ask.max_tokens
+        if not ask.max_tokens_given:  # the default: what fits (a prompt too long still fails)
+            room = worker.engine.room_for(len(ask.prompts[prompt]))
+            max_tokens = max(1, min(max_tokens, max_tokens if room is None else room))
+        worker.submit(gen, choice, ask.prompts[prompt], max_tokens,
                       temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed,
                       logprobs=ask.logprobs)
         submitted.add(choice)

@@ -40,6 +40,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 def _common(f: Fields, ask: Ask, max_tokens: int) -> Ask:
     """The sampling, stopping and streaming fields both routes share, into ``ask``."""
+    ask.max_tokens_given = ask.max_tokens_given or f.has("max_tokens")
     ask.max_tokens = f.integer("max_tokens", max_tokens, lo=1)
     ask.temperature = f.number("temperature", 1.0, lo=0.0, hi=2.0)
     ask.top_p = f.number("top_p", 1.0, lo=0.0, hi=1.0)
@@ -104,7 +105,8 @@ def parse_chat(body: Any, tokenizer: Any, *, vocab_size: int, max_tokens: int = 
             raise f.fail("max_tokens", "give max_tokens or max_completion_tokens, not both")
         max_tokens = f.integer("max_completion_tokens", max_tokens, lo=1)
     f.seen.add("max_completion_tokens")
-    ask = _common(f, Ask([tokens], prompt_field="messages"), max_tokens)
+    ask = _common(f, Ask([tokens], prompt_field="messages",
+                         max_tokens_given=f.has("max_completion_tokens")), max_tokens)
     top = f.integer("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if f.boolean("logprobs", False):
         ask.logprobs = top or 0
@@ -164,7 +166,7 @@ def parse_completion(body: Any, tokenizer: Any, *, vocab_size: int,
                                            for t in p):
             raise f.fail("prompt", "a token-id prompt must be a list of integers")
         prompts.append(_encode("prompt", p, tokenizer, vocab_size))
-    ask = _common(f, Ask(prompts), max_tokens)
+    ask = _common(f, Ask(prompts, max_tokens_given=False), max_tokens)
     if ask.num_choices > MAX_CHOICES:
         raise f.fail("prompt", f"{len(prompts)} prompts x n={ask.n} asks for "
                      f"{ask.num_choices} answers, more than {MAX_CHOICES} in one call")
