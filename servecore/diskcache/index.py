@@ -61,6 +61,15 @@ class Index:
                          "parent TEXT NOT NULL, salt TEXT NOT NULL, tokens INTEGER NOT NULL, "
                          "bytes INTEGER NOT NULL, used REAL NOT NULL)")
 
+    def check(self) -> None:
+        """``sqlite3.DatabaseError`` unless SQLite reads the whole table back intact."""
+        with self._lock:
+            (verdict,) = self._db.execute("PRAGMA quick_check").fetchone()
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {verdict}")
+            self._db.execute("SELECT key, parent, salt, tokens, bytes, used FROM pages"
+                             ).fetchall()
+
     def entries(self) -> list[Entry]:
         """Every row."""
         with self._lock:

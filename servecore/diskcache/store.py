@@ -47,6 +47,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sqlite3
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,7 +137,7 @@ class DiskStore:
         self.index: Index | None = None
         try:
             self.pages.mkdir(exist_ok=True)
-            self.index = Index(self.directory / "index.sqlite")
+            self.index = self._open_index(self.directory / "index.sqlite")
             self._reconcile()
         except BaseException:
             if self.index is not None:
@@ -402,6 +403,24 @@ class DiskStore:
             self._path(key).unlink(missing_ok=True)
         if evicted:
             self.stats.pages_evicted += len(keys)
+
+    def _open_index(self, path: pathlib.Path) -> Index:
+        """The index at ``path``; one that SQLite cannot read (garbled, cut short) is removed
+        with its journal and a new one started: its pages, then in no index, are set aside
+        by ``_reconcile``, so damage is misses, never a store that cannot start."""
+        index = None
+        try:
+            index = Index(path)
+            index.check()
+            return index
+        except sqlite3.DatabaseError as e:
+            if index is not None:
+                index.close()
+            log.warning("diskcache: the index %s is damaged (%s): starting empty", path, e)
+            self.stats.set_aside += 1
+            for damaged in (path, path.with_name(path.name + "-journal")):
+                damaged.unlink(missing_ok=True)
+            return Index(path)
 
     def _reconcile(self) -> None:
         rows = {e.key: e for e in self.index.entries()}

@@ -203,6 +203,23 @@ def test_the_least_recently_used_page_goes_first_whatever_the_clock_says(tmp_pat
         assert store.has(third[0]) and store.has(new[0]) and not store.has(old[0])
 
 
+@pytest.mark.parametrize("damage", ["garbled", "cut short", "emptied", "not sqlite"])
+def test_a_damaged_index_is_a_miss_not_a_store_that_cannot_start(tmp_path, damage):
+    with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0) as store:
+        keys = _put_chain(store, list(range(3 * PAGE)))
+    index = tmp_path / "index.sqlite"
+    raw = index.read_bytes()
+    index.write_bytes({"garbled": raw[:100] + os.urandom(len(raw) - 200) + raw[-100:],
+                       "cut short": raw[:len(raw) // 3], "emptied": b"\0" * len(raw),
+                       "not sqlite": b"hello"}[damage])
+    with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0) as store:
+        assert _check_pages(store, keys) == store.depth(keys)  # what it serves is whole
+        again = _put_chain(store, list(range(3 * PAGE)))
+        assert _check_pages(store, again) == 3
+    with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0) as store:
+        assert store.depth(keys) == 3  # and the new index holds
+
+
 def test_a_page_larger_than_the_budget_is_not_written(tmp_path):
     with DiskStore(tmp_path, budget_bytes=100, min_free_bytes=0) as store:
         assert _put_chain(store, [1, 2, 3, 4]) and store.num_pages == 0
