@@ -5,7 +5,8 @@
 - jaxtyping + beartype runtime shape checks are switched on for ``hybridattn`` by the
   ``--jaxtyping-packages`` option in ``pyproject.toml``.
 - tests marked ``mlx`` are skipped where mlx / mlx-lm are not installed.
-- the docs build, which executes the notebooks, is collected first (the longest test).
+- the longest tests (``SLOWEST``, the docs build first: it executes the notebooks) are
+  collected first, so that neither worker ends the run with a long test alone.
 - JAX sees 8 CPU devices (``jax_num_cpu_devices``), so sharding tests can build a 2x4 mesh.
 - XLA compilations are cached on disk (``.jax_cache/``, git-ignored), so the xdist workers
   share what one of them compiled (the serving step takes seconds to compile) and a rerun
@@ -87,11 +88,29 @@ def _drop_compiled_programs(request):
     gc.collect()
 
 
+SLOWEST = (  # the modules of the longest tests, longest first (a clean clone, 2 cores)
+    "test_notebooks_and_docs.py",  # the docs build executes the notebooks: minutes
+    "hybridattn/test_prefix_cache.py",
+    "hybridattn/test_multiprocess.py",
+    "hybridattn/test_longctx.py",
+    "test_doctests.py",
+    "hybridattn/test_scan_layers.py",
+    "hybridattn/test_memory.py",
+    "hybridattn/test_serving.py",
+    "hybridattn/test_sharding.py",
+)
+"""Modules run first, in this order (each module's tests together, so its fixtures are made
+once): under xdist each worker starts on a long test while the other takes the next, and no
+long test starts last and runs alone at the end."""
+
+
+def _rank(item) -> int:
+    path = item.nodeid.split("::")[0].removeprefix("tests/")
+    return SLOWEST.index(path) if path in SLOWEST else len(SLOWEST)
+
+
 def pytest_collection_modifyitems(config, items):
-    # The docs build (it executes the notebooks: minutes) goes first, so that under xdist
-    # one worker starts it at once and the others share the rest, rather than it starting
-    # last and running alone.
-    items.sort(key=lambda item: "docs_build" not in item.name)
+    items.sort(key=_rank)  # (stable: the rest keep their order)
     if HAVE_MLX:
         return
     skip = pytest.mark.skip(reason="mlx / mlx-lm not installed (pip install -e '.[mlx]')")
