@@ -26,13 +26,16 @@ request is served from what memory holds, never from partial data.
 
 The salt (``salt_of``) covers the weights (a digest of every parameter's bytes), the model's
 config, the tokenizer, the pool's dtype, quantization and layout, the disk page, the format
-and the MLX version: another model, dtype or tokenizer on the same directory reads nothing.
+and the versions of MLX and of mlx-lm (whose model code computes the K/V): another model,
+dtype, tokenizer or mlx-lm on the same directory reads nothing. ``Engine.reset_cache``
+forgets this model's pages on disk too (``forget``), as it forgets them in memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -135,7 +138,8 @@ def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> st
                     if any(support.layout.kv_quant) else {}),
                  "layout": [str(k) for k in support.layout.kinds],
                  "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
-                 "page": page, "mlx": mx.__version__})
+                 "page": page, "mlx": mx.__version__,
+                 "mlx_lm": importlib.metadata.version("mlx-lm")})  # its model code: the K/V
 
 
 def _plain(value: Any) -> Any:
@@ -330,6 +334,11 @@ class DiskTier:
         s = self.stats
         s.disk_hits += 1
         s.disk_tokens_read += end - head
+
+    def forget(self) -> int:
+        """Remove every page of this model's salt from the directory (the others' stay); a
+        reload under way still lands, its pages read before. How many pages went."""
+        return self.disk.forget(self.salt)
 
     def close(self, flush: bool) -> None:
         """Spill what memory holds (``flush``), then close the store."""

@@ -245,8 +245,10 @@ class Engine(EngineClient):
 
     def reset_cache(self) -> None:
         """Forget every cached prefix that no running request holds: evict all that is
-        evictable and free its slots. A running request's locked prefix stays until it
-        finishes (then it and its answer are cached as usual). Not counted in
+        evictable and free its slots, and with a disk tier (``cache_dir``) remove this
+        model's pages from the directory too (after weights changed in place, nothing old is
+        served from either). A running request's locked prefix stays until it finishes
+        (then it and its answer are cached as usual). Not counted in
         ``stats.token_evictions``.
 
         Examples:
@@ -265,6 +267,8 @@ class Engine(EngineClient):
         with self._serialized():
             if self.core.store is not None:
                 self.owner.call(self.core.store.reset)
+            if self.core.disk is not None:
+                self.owner.call(self.core.disk.forget)
 
 
 def _attach_disk(engine: Engine, owner: OwnerThread, tokenizer: Any) -> None:

@@ -206,6 +206,21 @@ class DiskStore:
                             dict(meta), size)
         return True
 
+    def forget(self, salt: str) -> int:
+        """Remove every page of ``salt`` (written or queued: the queue is flushed first); how
+        many were removed. Pages of other salts stay.
+
+        >>> import tempfile
+        >>> with DiskStore(tempfile.mkdtemp(), budget_bytes=1 << 20, min_free_bytes=0) as d:
+        ...     d.forget("s")
+        0
+        """
+        self.flush()
+        roots = [k for k in self._children.get(salt, ())]
+        keys = [k for root in roots for k in self._subtree(root)]
+        self._drop(keys)
+        return len(keys)
+
     def flush(self) -> None:
         """Wait until every queued page is written (or skipped)."""
         self._check_open()

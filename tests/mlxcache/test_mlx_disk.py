@@ -102,6 +102,41 @@ def test_other_weights_dtype_tokenizer_or_model_read_nothing(checkpoints, tmp_pa
     assert served(model) == _cold(model, prompt)
 
 
+def test_another_mlx_lm_version_reads_nothing(checkpoints, tmp_path, monkeypatch):
+    """mlx-lm's model code computes the K/V: pages written under one version are misses
+    under another, as under other weights."""
+    import importlib.metadata
+
+    prompt = _prompt(3)
+    _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.0.1" if name == "mlx-lm" else real(name))
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:
+        assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+        assert e.stats.disk_hits == 0 and e.stats.cached_tokens == 0
+
+
+def test_reset_cache_forgets_the_models_pages_on_disk_too(checkpoints, tmp_path):
+    """After ``reset_cache`` nothing cached is served, from memory or from the directory
+    (weights changed in place would otherwise be answered from the old pages); another
+    model's pages in the directory stay."""
+    prompt = _prompt(4)
+    _write_in_a_process(checkpoints / "gemma3_text", tmp_path, prompt)  # another model's
+    _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:
+        held = e.core.disk.disk.num_pages
+        e.reset_cache()
+        assert 0 < e.core.disk.disk.num_pages < held  # the other model's pages stay
+        assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+        assert e.stats.disk_hits == 0 and e.stats.cached_tokens == 0
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:  # what close spilled
+        e.generate([prompt], max_tokens=MAX)
+        assert e.stats.disk_hits == 1
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
 def test_a_prefix_evicted_from_memory_comes_back_from_disk(checkpoints, tmp_path, family):
     """A pool of 700 slots: three 300-token prompts evict the first, which then reloads."""
