@@ -134,6 +134,7 @@ class DiskStore:
         # clock stepped back would make the newest pages look oldest. It starts past every
         # page the index holds (older indexes hold epoch seconds: still an order).
         self._clock = 0.0
+        self._warned: set[str] = set()  # why pages went unwritten, each said once
         self.index: Index | None = None
         try:
             self.pages.mkdir(exist_ok=True)
@@ -236,7 +237,7 @@ class DiskStore:
             page = encode_page(key, parent, num_tokens, arrays, meta)
             size = page.size
             if not self._make_room(size, keep=parent):
-                log.info("diskcache: page %s (%d bytes) does not fit the budget", key, size)
+                self._skipped(key, size)
                 return
             path = write_page(self.pages, page)
             entry = Entry(key, parent, salt, num_tokens, size, self._tick())
@@ -258,6 +259,23 @@ class DiskStore:
                 self._queued.discard(key)
                 self._queued_bytes -= queued
                 self._room.notify_all()
+
+    def _skipped(self, key: str, size: int) -> None:
+        """A page that cannot be written: say why, as a warning the first time for each
+        reason (a small disk under the free-space floor writes nothing, ever)."""
+        free = shutil.disk_usage(self.directory).free
+        if free - size < self.min_free_bytes:
+            why = (f"the disk holding {self.directory} has {free} bytes free and "
+                   f"min_free_bytes={self.min_free_bytes} (disk_min_free) must stay free: "
+                   "nothing more is written there; lower disk_min_free or free space")
+        else:
+            why = (f"a page of {size} bytes does not fit budget_bytes={self.budget_bytes} "
+                   "(disk_budget) beside what the directory holds")
+        kind = why.split(" ")[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("diskcache: %s", why)
+        log.debug("diskcache: page %s not written: %s", key, why)
 
     def _tick(self) -> float:
         """The next mark of the use order."""

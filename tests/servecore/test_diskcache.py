@@ -220,6 +220,22 @@ def test_a_damaged_index_is_a_miss_not_a_store_that_cannot_start(tmp_path, damag
         assert store.depth(keys) == 3  # and the new index holds
 
 
+def test_a_disk_below_its_free_space_floor_says_so_once(tmp_path, caplog):
+    """A small disk under ``min_free_bytes`` writes nothing: one warning names that floor
+    (not the budget), however many pages are refused."""
+    import logging
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    with caplog.at_level(logging.WARNING, logger="servecore.diskcache"):
+        with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=free + (1 << 30)) as st:
+            _put_chain(st, list(range(3 * PAGE)))
+            _put_chain(st, list(range(100, 100 + 3 * PAGE)))
+            assert st.num_pages == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "min_free_bytes" in said[0] and "disk_min_free" in said[0], said
+
+
 def test_a_page_larger_than_the_budget_is_not_written(tmp_path):
     with DiskStore(tmp_path, budget_bytes=100, min_free_bytes=0) as store:
         assert _put_chain(store, [1, 2, 3, 4]) and store.num_pages == 0
