@@ -11,6 +11,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Any
@@ -277,6 +278,13 @@ def _attach_disk(engine: Engine, owner: OwnerThread, tokenizer: Any) -> None:
     if engine.core.store is None:
         raise ValueError(f"cache_dir={str(opts.cache_dir)!r} needs the prefix cache: it is off "
                          "(prefix_cache=False, or a model served without reuse)")
+    page = math.lcm(DISK_PAGE_TOKENS, opts.page_size)  # a disk page (``DiskTier.page``)
+    if engine.has_states and page % opts.snapshot_interval:
+        raise ValueError(
+            f"snapshot_interval={opts.snapshot_interval} does not divide the disk tier's page "
+            f"of {page} tokens: a page is read back only with the recurrent state at its end, "
+            f"which that grid never takes, so cache_dir would write pages it never reads; give "
+            f"a snapshot_interval that divides {page} (the default, 256, does)")
     disk = DiskStore(opts.cache_dir, budget_bytes=opts.disk_budget,
                      min_free_bytes=opts.disk_min_free)
     try:

@@ -102,6 +102,18 @@ def test_other_weights_dtype_tokenizer_or_model_read_nothing(checkpoints, tmp_pa
     assert served(model) == _cold(model, prompt)
 
 
+def test_a_snapshot_grid_the_disk_pages_miss_is_refused_by_name(tmp_path):
+    """A hybrid model's disk page is read back only with the state at its end: a grid that
+    never lands there would write every page and read none, so the engine refuses it."""
+    with pytest.raises(ValueError, match="snapshot_interval=96 does not divide the disk"):
+        Engine(zoo.make("qwen3_next"), num_slots=512, snapshot_interval=96, cache_dir=tmp_path)
+    with Engine(zoo.make("qwen3_next"), num_slots=512, snapshot_interval=64,
+                cache_dir=tmp_path) as engine:  # 64 divides 256: served
+        engine.generate([[5, 6, 7]], 2)
+    with Engine(zoo.make("llama"), num_slots=512, snapshot_interval=96, cache_dir=tmp_path):
+        pass  # no recurrent layers: the grid is unused (a warning says so)
+
+
 def test_another_mlx_lm_version_reads_nothing(checkpoints, tmp_path, monkeypatch):
     """mlx-lm's model code computes the K/V: pages written under one version are misses
     under another, as under other weights."""
