@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import atexit
+import logging
 import queue
 import threading
 import weakref
@@ -39,6 +40,7 @@ from servecore.requests import GenerationRequest
 
 __all__ = ["OwnerThread", "ThreadedCore", "current_owner"]
 
+log = logging.getLogger("servecore.thread")
 _local = threading.local()  # .owner: the OwnerThread this thread is, if any
 _open: weakref.WeakSet[OwnerThread] = weakref.WeakSet()  # closed at interpreter exit
 
@@ -95,7 +97,9 @@ class OwnerThread:
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._thread = threading.Thread(target=_serve, args=(self, self._queue, on_exit),
+        self._last: list[Callable[[], Any]] = []  # ``at_close``: run before ``on_exit``
+        self._thread = threading.Thread(target=_serve, args=(self, self._queue, on_exit,
+                                                             self._last),
                                         name=name, daemon=True)
         self._thread.start()
         _open.add(self)
@@ -124,9 +128,22 @@ class OwnerThread:
             raise error
         return job.result
 
+    def at_close(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the thread when it ends, however it is ended (``close``, an
+        engine's finalizer, interpreter exit), before ``on_exit``: what must not be lost
+        when an engine is dropped unclosed (its disk tier's spill, its directory's lock). An
+        exception there is logged, not raised.
+
+        >>> owner, seen = OwnerThread(), []
+        >>> owner.at_close(lambda: seen.append(current_owner() is not None))
+        >>> owner.close(); seen
+        [True]
+        """
+        self._last.append(fn)
+
     def close(self) -> None:
-        """End the thread after the calls already queued, ``on_exit`` last; wait for it
-        (unless called from the owner thread itself)."""
+        """End the thread after the calls already queued, then ``at_close``'s calls and
+        ``on_exit``; wait for it (unless called from the owner thread itself)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -138,7 +155,7 @@ class OwnerThread:
 
 
 def _serve(owner: OwnerThread, jobs: queue.SimpleQueue[_Call | None],
-           on_exit: Callable[[], Any] | None) -> None:
+           on_exit: Callable[[], Any] | None, last: list[Callable[[], Any]]) -> None:
     """The owner thread's loop. It keeps no reference to what it ran between calls (a call's
     function may be a bound method of the engine that a finalizer closes)."""
     _local.owner = owner
@@ -153,6 +170,12 @@ def _serve(owner: OwnerThread, jobs: queue.SimpleQueue[_Call | None],
             job.done.set()
             job = None
     finally:
+        for fn in last:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - ending anyway: the others still run
+                log.exception("a closing call of %s failed", threading.current_thread().name)
+        last.clear()
         if on_exit is not None:
             on_exit()
         _local.owner = None

@@ -128,6 +128,9 @@ class Engine(EngineClient):
             self.support = owner.call(Support.probe, model, self.options.prefix_cache,
                                       self.options.quant)
             self.core = owner.call(Core, model, self.support, self.options, self.stats)
+            # dropped unclosed, or open at exit: the core still closes (spills to disk,
+            # unlocks its directory) on its thread as the thread ends
+            owner.at_close(self.core.close)
             if self.options.cache_dir is not None:
                 _attach_disk(self, owner, tokenizer)
         except BaseException:

@@ -203,9 +203,20 @@ class DiskStore:
                 self._room.wait()
             self._queued.add(key)
             self._queued_bytes += size
-        self._writer.submit(self._write, key, parent, salt, num_tokens, dict(arrays),
-                            dict(meta), size)
+        self._on_writer(self._write, key, parent, salt, num_tokens, dict(arrays), dict(meta),
+                        size)
         return True
+
+    def _on_writer(self, fn: Any, *args: Any) -> Future:
+        """``fn(*args)`` on the writer thread; once the interpreter is shutting down (an
+        engine closed at exit spills then, and executors take no more work) on this one."""
+        try:
+            return self._writer.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            self._writer.shutdown(wait=True)  # (what was queued first goes first)
+            done: Future = Future()
+            done.set_result(fn(*args))
+            return done
 
     def forget(self, salt: str) -> int:
         """Remove every page of ``salt`` (written or queued: the queue is flushed first); how
@@ -225,7 +236,7 @@ class DiskStore:
     def flush(self) -> None:
         """Wait until every queued page is written (or skipped)."""
         self._check_open()
-        self._writer.submit(lambda: None).result()
+        self._on_writer(lambda: None).result()
 
     def _write(self, key: str, parent: str, salt: str, num_tokens: int,
                arrays: dict[str, np.ndarray], meta: dict[str, Any], queued: int) -> None:
@@ -364,7 +375,7 @@ class DiskStore:
                 s.tokens_read += sum(p.num_tokens for p in pages)
                 s.bytes_read += sum(a.nbytes for p in pages for a in p.arrays.values())
             # recorded on the writer thread: a reload does not wait for the index's fsync
-            self._writer.submit(self.index.touch, [p.key for p in pages], now)
+            self._on_writer(self.index.touch, [p.key for p in pages], now)
         return pages
 
     # ---------------------------------------------------------------- the end ----

@@ -114,6 +114,32 @@ def test_a_snapshot_grid_the_disk_pages_miss_is_refused_by_name(tmp_path):
         pass  # no recurrent layers: the grid is unused (a warning says so)
 
 
+@pytest.mark.parametrize("how", ["dropped", "left open at exit"])
+def test_an_engine_never_closed_still_spills_and_unlocks(checkpoints, tmp_path, how):
+    """An engine dropped without ``close()`` closes as it goes (spill, unlock: a new engine
+    in the same process owns the directory); one left open when the process exits spills
+    too: a new process finds its prefix."""
+    prompt = _prompt(5)
+    script = textwrap.dedent(f"""
+        import gc, mlx_lm
+        from mlxcache import Engine
+        model, tok = mlx_lm.load({str(checkpoints / "llama")!r})
+        e = Engine(model, tok, num_slots=1024, cache_dir={str(tmp_path)!r})
+        e.generate([{prompt!r}], max_tokens={MAX})
+        if {how == "dropped"!r}:
+            del e
+            gc.collect()
+            with Engine(model, tok, num_slots=1024, cache_dir={str(tmp_path)!r}) as again:
+                again.generate([{prompt!r}], max_tokens={MAX})
+                assert again.stats.disk_hits == 1, again.stats
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    model, tok = mlx_lm.load(str(checkpoints / "llama"))
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:
+        assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+        assert e.stats.disk_hits == 1
+
+
 def test_another_mlx_lm_version_reads_nothing(checkpoints, tmp_path, monkeypatch):
     """mlx-lm's model code computes the K/V: pages written under one version are misses
     under another, as under other weights."""
@@ -157,6 +183,7 @@ def test_a_prefix_evicted_from_memory_comes_back_from_disk(checkpoints, tmp_path
     with Engine(model, tok, num_slots=700, cache_dir=tmp_path) as engine:
         for p in prompts:
             engine.generate([p], max_tokens=MAX)
+        engine.core.disk.disk.flush()  # spills are written on the writer thread: wait for it
         assert engine.stats.token_evictions > 0 and engine.stats.disk.pages_written > 0
         again = prompts[0] + [5, 6]
         assert engine.generate([again], max_tokens=MAX)[0] == _cold(model, again)
