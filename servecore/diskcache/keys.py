@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["FORMAT_VERSION", "chain", "digest_buffers", "page_key", "salt"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The on-disk format's version; part of every salt, so a format change is a clean miss."""
 
 _BYTES = 16  # 128-bit digests: 32 hex characters

@@ -1,6 +1,7 @@
 """One page on disk: a file that is whole or is not read.
 
-Layout: the magic ``b"SCPAGE2\\n"``, an 8-byte little-endian header length, a JSON header
+Layout: the magic ``b"SCPAGE3\\n"``, an 8-byte little-endian header length, the header's
+4-byte little-endian CRC-32, a JSON header
 (the page's key and parent key, its token count, the caller's ``meta``, and for each array
 its name, dtype, shape and byte range in the payload, the payload's length and CRC-32), then
 the payload: the arrays' bytes, back to back.
@@ -9,7 +10,9 @@ Writing is crash-safe (``write_page`` of an ``encode_page``): a unique temporary
 same directory, written, flushed and ``fsync``-ed, then renamed over the final name (atomic
 on POSIX), and the directory synced. A reader therefore sees a whole file or none; a process
 killed part-way leaves only a temporary file, which start-up sets aside. ``read_page``
-checks everything it can (magic, header, key, lengths, the payload's CRC-32) and raises
+checks everything it reads (magic, the header's CRC-32, key, lengths, the payload's CRC-32:
+a flipped bit in a header's dtype, shape or offset is caught as surely as one in the
+payload) and raises
 ``CorruptPage`` naming what failed: a truncated or altered file is a miss, never wrong data.
 
 The payload's check is a CRC-32 (``zlib``), as file systems and archives use against
@@ -51,7 +54,7 @@ import numpy as np
 __all__ = ["MAGIC", "TMP_SUFFIX", "CorruptPage", "Encoded", "Page", "encode_page", "read_page",
            "write_page"]
 
-MAGIC = b"SCPAGE2\n"
+MAGIC = b"SCPAGE3\n"
 TMP_SUFFIX = ".tmp"  # a file being written; never read, set aside at start-up
 
 
@@ -93,8 +96,8 @@ class Encoded:
 
     @property
     def size(self) -> int:
-        """Bytes of the file: magic, header length, header, payload."""
-        return len(MAGIC) + 8 + len(self.header) + sum(c.nbytes for c in self.chunks)
+        """Bytes of the file: magic, header length and CRC-32, header, payload."""
+        return len(MAGIC) + 12 + len(self.header) + sum(c.nbytes for c in self.chunks)
 
 
 def encode_page(key: str, parent: str, num_tokens: int, arrays: Mapping[str, np.ndarray],
@@ -134,6 +137,7 @@ def write_page(directory: pathlib.Path, page: Encoded) -> pathlib.Path:
         with open(tmp, "wb") as f:
             f.write(MAGIC)
             f.write(len(page.header).to_bytes(8, "little"))
+            f.write(zlib.crc32(page.header).to_bytes(4, "little"))
             f.write(page.header)
             for c in page.chunks:
                 f.write(c)
@@ -184,13 +188,15 @@ def read_page(path: pathlib.Path, key: str,
 def _read_open(f: Any, path: pathlib.Path, key: str,
                into: Mapping[str, np.ndarray] | None) -> Page:
     size = os.fstat(f.fileno()).st_size
-    start = bytearray(len(MAGIC) + 8)
+    start = bytearray(len(MAGIC) + 12)
     if size < len(start) or _fill(f, memoryview(start)) or start[:len(MAGIC)] != MAGIC:
         raise CorruptPage(f"{path}: not a page file")
-    n = int.from_bytes(start[len(MAGIC):], "little")
+    n = int.from_bytes(start[len(MAGIC):len(MAGIC) + 8], "little")
     raw = bytearray(min(n, size - len(start)))
     if _fill(f, memoryview(raw)) or len(raw) != n:
         raise CorruptPage(f"{path}: the header is cut short")
+    if zlib.crc32(raw) != int.from_bytes(start[len(MAGIC) + 8:], "little"):
+        raise CorruptPage(f"{path}: the header's CRC-32 does not match")
     try:
         header = json.loads(raw)
         if header["key"] != key:

@@ -236,6 +236,22 @@ def test_a_disk_below_its_free_space_floor_says_so_once(tmp_path, caplog):
     assert len(said) == 1 and "min_free_bytes" in said[0] and "disk_min_free" in said[0], said
 
 
+@pytest.mark.parametrize("edit", [(b"[4, 64]", b"[8, 32]"),            # a shape, same bytes
+                                  (b'"<f2"', b'"<i2"'),                # a dtype, same size
+                                  (b'"tokens": 4', b'"tokens": 5')])    # the token count
+def test_a_page_whose_header_was_altered_is_a_miss(tmp_path, edit):
+    """Everything read is checked: an altered header (whose payload still has the length it
+    says) is a miss, never arrays of another shape or dtype."""
+    with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0) as store:
+        (key,) = _put_chain(store, list(range(PAGE)))
+    path = tmp_path / "pages" / key
+    raw = path.read_bytes()
+    assert raw.count(edit[0]) == 1
+    path.write_bytes(raw.replace(*edit))
+    with DiskStore(tmp_path, budget_bytes=1 << 20, min_free_bytes=0) as store:
+        assert store.load([key]).result() == [] and store.stats.set_aside == 1
+
+
 def test_a_page_larger_than_the_budget_is_not_written(tmp_path):
     with DiskStore(tmp_path, budget_bytes=100, min_free_bytes=0) as store:
         assert _put_chain(store, [1, 2, 3, 4]) and store.num_pages == 0
