@@ -114,14 +114,12 @@ class Engine:
     lock, a round at a time, failures mid-round dropping only what the round served); tested
     with four threads.
 
-    Threads: the engine does all its MLX work (the support probe, every round) on one thread
-    it owns (``servecore.thread.OwnerThread``), whichever thread calls it. MLX keeps
-    per-thread state (streams, ``mx.compile``'s trace cache, the random key) that a thread
-    must clear before it ends, or the process may abort at exit ("terminate called without
-    an active exception"); the engine's thread clears it when the engine is closed, and the
-    callers' threads never hold any. The model's parameters are evaluated in the
-    constructor's thread. Unseeded sampling (``seed=None``) draws from the engine thread's
-    MLX generator (``mx.random.seed`` in the caller's thread does not reach it).
+    Threads: all MLX work (the support probe, every round) runs on one thread the engine
+    owns, whichever thread calls; ``start_thread`` runs a loop there (the server's). That
+    thread clears its MLX state when the engine is closed (``servecore.thread`` says why: a
+    thread ending with it may abort the process at exit); callers' threads hold none. The
+    parameters are evaluated in the constructor's thread; unseeded sampling (``seed=None``)
+    draws from the engine thread's generator (``mx.random.seed`` here does not reach it).
 
     ``close()`` (or leaving a ``with Engine(...) as engine:`` block) ends the engine from any
     thread, at once after the call under way: every request is dropped, the pools and decode
@@ -447,6 +445,8 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether any request is queued, running or has tokens in flight."""
         return self.streams.has_unfinished()
+
+    start_thread = delegate("streams.core.owner.start", "OwnerThread.start: a loop on its thread.")
 
 
 def _attach_disk(engine: Engine, owner: OwnerThread, cache_dir: Any, budget: int,

@@ -278,7 +278,7 @@ def _routes(server: Server) -> list[Route]:
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
-        alive = s.worker._thread.is_alive()
+        alive = s.worker.alive
         return JSONResponse({"status": "ok" if alive else "engine thread stopped",
                              "waiting": s.worker.waiting, "running": s.worker.running},
                             status_code=200 if alive else 503)
