@@ -53,6 +53,7 @@ __all__ = [
     "SlotAllocator",
     "alloc",
     "bytes_per_token_slot",
+    "checked_slots",
     "free",
     "get_kv",
     "get_states",
@@ -546,12 +547,37 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
     """Return ``slots`` to the allocator: a new allocator; ``a`` is unchanged.
 
     Raises ValueError (naming the slots) for slot 0, slots outside ``[1, num_slots)``, repeats
-    within ``slots``, or slots that are already free (a double free).
+    within ``slots`` (``checked_slots``), or slots that are already free (a double free).
+    Costs a pass over every slot (a linear owner keeps a free mask instead:
+    ``mlxcache.engine.store.AllocatorSlots``).
 
     Examples:
         >>> a, slots, _ = alloc(init_allocator(4), 2)
         >>> free(a, slots).num_free
         3
+    """
+    arr = checked_slots(slots, a.num_slots)
+    if arr.size == 0:
+        return a
+    is_free = np.zeros(a.num_slots, dtype=bool)
+    is_free[a.free_slots] = True
+    double = arr[is_free[arr]]
+    if double.size:
+        raise ValueError(f"double free: slots already free: {double[:8].tolist()}")
+    return a._replace(free_slots=_frozen(np.concatenate([a.free_slots, arr[::-1]])))
+
+
+def checked_slots(slots: Iterable[int] | np.ndarray | mx.array, num_slots: int) -> np.ndarray:
+    """``slots`` to give back to a pool of ``num_slots``, as int64 ``[n]``: ValueError (naming
+    them) for non-integers, slot 0 (the sink), slots outside ``[1, num_slots)`` or repeats.
+
+    Examples:
+        >>> checked_slots([3, 1], 4).tolist()
+        [3, 1]
+        >>> checked_slots([2, 2], 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: slots repeated in one free: [2]
     """
     if isinstance(slots, np.ndarray | mx.array):
         arr = np.asarray(slots).reshape(-1)
@@ -565,21 +591,16 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
             raise ValueError(f"slots must be integers, got {bad[:8]}")
         arr = np.asarray(items, dtype=np.int64)
     if arr.size == 0:
-        return a
+        return arr
     if np.any(arr == 0):
         raise ValueError("cannot free slot 0: it is the padding sink and never allocated")
-    out = arr[(arr < 1) | (arr >= a.num_slots)]
+    out = arr[(arr < 1) | (arr >= num_slots)]
     if out.size:
-        raise ValueError(f"slots out of range [1, {a.num_slots}): {out[:8].tolist()}")
+        raise ValueError(f"slots out of range [1, {num_slots}): {out[:8].tolist()}")
     uniq, counts = np.unique(arr, return_counts=True)
     if np.any(counts > 1):
         raise ValueError(f"slots repeated in one free: {uniq[counts > 1][:8].tolist()}")
-    is_free = np.zeros(a.num_slots, dtype=bool)
-    is_free[a.free_slots] = True
-    double = arr[is_free[arr]]
-    if double.size:
-        raise ValueError(f"double free: slots already free: {double[:8].tolist()}")
-    return a._replace(free_slots=_frozen(np.concatenate([a.free_slots, arr[::-1]])))
+    return arr
 
 
 # --------------------------------------------------------------------------------------------

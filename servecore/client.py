@@ -42,6 +42,7 @@ from servecore.prompts import Prompt
 from servecore.requests import DEFAULT_MAX_TOKENS, GenerationRequest, RequestBuilder
 from servecore.stats import ServingStats
 from servecore.streams import Stream, Streams
+from servecore.thread import daemon_thread
 
 __all__ = ["EngineClient"]
 
@@ -105,6 +106,17 @@ class EngineClient:
         True
         """
         return None
+
+    def start_thread(self, target: Callable[[], Any], name: str) -> Any:
+        """Start ``target()`` where a loop that drives this engine should run (the server's
+        worker); something with ``is_alive()`` and ``join(timeout)``. Here a daemon thread of
+        its own; an engine whose device work has a thread of its own runs it there
+        (``mlxcache.Engine``: no hop between two threads per call).
+
+        >>> from servecore.testing import FakeEngine
+        >>> FakeEngine().start_thread(lambda: None, "loop").join()
+        """
+        return daemon_thread(target, name)
 
     @property
     def memory(self) -> Any:

@@ -57,7 +57,7 @@ from servecore.errors import EngineClosedError
 from servecore.progress import progress_bar
 from servecore.prompts import check_text, decode
 from servecore.requests import DEFAULT_MAX_TOKENS, GenerationRequest, RequestBuilder
-from servecore.thread import current_owner
+from servecore.thread import current_owner, in_handed_call
 
 __all__ = ["Stream", "Streams"]
 
@@ -290,12 +290,18 @@ class _Entered:
 
     def __enter__(self) -> None:
         s = self._streams
-        # A callback on the core's owner thread (``servecore.thread``): the lock is held by
-        # the thread waiting for that round, so refuse before waiting on it.
+        # A callback on the core's owner thread (``servecore.thread``) in a round another
+        # thread handed it: the lock is held by that thread, waiting for the round, so
+        # refuse before waiting on it. (In a round the owner runs for itself, the lock is
+        # its own: the check after taking it refuses.)
         owner = current_owner()
-        if s._in_round and owner is not None and owner is getattr(s.core, "owner", None):
+        on_owner = owner is not None and owner is getattr(s.core, "owner", None)
+        if s._in_round and on_owner and in_handed_call():
             raise RuntimeError(_REENTERED)
-        s._lock.acquire()
+        if on_owner:  # a loop on the owner thread (the server's): the lock's holder may be
+            owner.acquire(s._lock)  # waiting on a call only this thread can run
+        else:
+            s._lock.acquire()
         if s._in_round:
             s._lock.release()
             raise RuntimeError(_REENTERED)

@@ -17,6 +17,11 @@ The owner thread is a daemon (an engine never closed does not keep the process a
 every owner thread still open at interpreter exit is closed by an ``atexit`` hook, which
 Python runs after joining the users' threads and before it tears the interpreter down.
 
+A loop that drives the engine (the server's worker) runs best on the owner thread itself
+(``OwnerThread.start``): then the engine's calls run inline, with no hand-over per call. Such
+a loop keeps the thread's other callers served by running their calls between its own
+steps (``serve_calls``) and while it waits for a lock (``acquire``).
+
 >>> owner = OwnerThread("example")
 >>> owner.call(lambda: threading.current_thread().name)
 'example'
@@ -38,10 +43,11 @@ from servecore.engine import EngineCore, Event
 from servecore.errors import EngineClosedError
 from servecore.requests import GenerationRequest
 
-__all__ = ["OwnerThread", "ThreadedCore", "current_owner"]
+__all__ = ["LOCK_POLL_S", "OwnerTask", "OwnerThread", "ThreadedCore", "current_owner",
+           "daemon_thread", "in_handed_call"]
 
 log = logging.getLogger("servecore.thread")
-_local = threading.local()  # .owner: the OwnerThread this thread is, if any
+_local = threading.local()  # .owner: the OwnerThread this thread is; .handed: in a call
 _open: weakref.WeakSet[OwnerThread] = weakref.WeakSet()  # closed at interpreter exit
 
 
@@ -58,16 +64,72 @@ def current_owner() -> OwnerThread | None:
     return getattr(_local, "owner", None)
 
 
+def in_handed_call() -> bool:
+    """Whether the calling thread is an owner thread running a call another thread handed it
+    (that thread may hold a lock it waits on; a loop ``start`` runs is not such a call).
+
+    >>> owner = OwnerThread()
+    >>> in_handed_call(), owner.call(in_handed_call)
+    (False, True)
+    """
+    return getattr(_local, "handed", 0) > 0
+
+
+LOCK_POLL_S = 0.001
+"""``OwnerThread.acquire``: how long it waits for the lock between two looks at the queue
+(only while another thread holds the lock: a call that thread hands over waits this long at
+most before it runs)."""
+
+
+def daemon_thread(target: Callable[[], Any], name: str) -> threading.Thread:
+    """``target`` started on a new daemon thread named ``name``: where a loop runs when the
+    engine it drives has no thread of its own (``OwnerThread.start`` is the other place).
+
+    >>> t = daemon_thread(lambda: None, "example"); t.join(); t.is_alive()
+    False
+    """
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class _Call:
-    """One call handed to the owner thread, and its outcome."""
+    """One call handed to the owner thread, and its outcome (``task``: nobody waits for the
+    outcome, ``OwnerThread.start``)."""
 
-    __slots__ = ("args", "done", "error", "fn", "result")
+    __slots__ = ("args", "done", "error", "fn", "result", "task")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]):
-        self.fn, self.args = fn, args
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], task: bool = False):
+        self.fn, self.args, self.task = fn, args, task
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+
+
+_WAKE = _Call(lambda: None, ())  # queued by ``wake``: ends a wait in ``serve_calls``; never run
+
+
+class OwnerTask:
+    """A long function ``OwnerThread.start`` runs on the owner thread; joined like a thread.
+
+    >>> owner = OwnerThread()
+    >>> task = owner.start(lambda: None, "example")
+    >>> task.join(5); task.is_alive(), task.name
+    (False, 'example')
+    >>> owner.close()
+    """
+
+    def __init__(self, call: _Call, name: str):
+        self._call = call
+        self.name = name
+
+    def is_alive(self) -> bool:
+        """Whether it has not returned yet (queued or running)."""
+        return not self._call.done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until it returns, ``timeout`` seconds at most (None: no limit)."""
+        self._call.done.wait(timeout)
 
 
 class OwnerThread:
@@ -81,6 +143,11 @@ class OwnerThread:
     ``call`` from the owner thread itself runs the function at once. ``close()`` is
     idempotent and safe from any thread (from the owner thread it only asks the thread to
     end); later ``call``s raise ``EngineClosedError``.
+
+    ``start(target)`` runs a long function there instead (a loop that drives the engine): it
+    must call ``serve_calls`` between its steps and while it idles, or every other caller
+    waits until it returns; ``serve_calls`` returning False means the thread is closing and
+    the function must return.
 
     >>> seen = []
     >>> owner = OwnerThread("worker", on_exit=lambda: seen.append("exit"))
@@ -141,6 +208,70 @@ class OwnerThread:
         """
         self._last.append(fn)
 
+    def start(self, target: Callable[[], Any], name: str) -> OwnerTask:
+        """Run ``target()`` on the owner thread after the calls already queued, without
+        waiting for it (the class docstring says what it owes the other callers). An
+        exception it raises goes to ``threading.excepthook``, as a thread's would.
+
+        >>> owner = OwnerThread()
+        >>> ran = []
+        >>> def loop():
+        ...     ran.append(current_owner() is owner)
+        ...     while owner.serve_calls(timeout=None):  # idle: run others' calls meanwhile
+        ...         pass
+        >>> task = owner.start(loop, "loop")
+        >>> owner.call(pow, 2, 5)  # run by the loop's serve_calls
+        32
+        >>> owner.close(); task.is_alive(), ran
+        (False, [True])
+        """
+        if self._closed:
+            raise EngineClosedError(f"{self.name} is closed: its thread has ended")
+        job = _Call(target, (), task=True)
+        self._queue.put(job)
+        return OwnerTask(job, name)
+
+    def serve_calls(self, timeout: float | None = 0) -> bool:
+        """From a function ``start`` runs: run the calls queued now; with none queued, wait
+        ``timeout`` seconds for one (None: until one comes, or ``wake``). Whether the thread
+        goes on (False: it is closing; the function must return, and the engine's state is
+        no longer its to touch)."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError(f"serve_calls is {self.name}'s own: called from "
+                               f"{threading.current_thread().name}")
+        try:
+            job = self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if job is None:  # close(): put it back for the thread's own loop, which ends
+                self._queue.put(None)
+                return False
+            if job is not _WAKE:
+                _run(job)
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+
+    def wake(self) -> None:
+        """End a wait of ``serve_calls`` (a loop waiting for its own work, which just came)."""
+        self._queue.put(_WAKE)
+
+    def acquire(self, lock: Any) -> None:
+        """From a function ``start`` runs: take ``lock``, running the calls queued while it
+        waits (the thread holding the lock may be waiting on one of them). Raises
+        ``EngineClosedError`` if the thread closes first (whoever closes it may hold the
+        lock)."""
+        if lock.acquire(blocking=False):
+            return
+        while True:
+            if not self.serve_calls():
+                raise EngineClosedError(f"{self.name} closed while its thread waited for a "
+                                        "lock")
+            if lock.acquire(timeout=LOCK_POLL_S):
+                return
+
     def close(self) -> None:
         """End the thread after the calls already queued, then ``at_close``'s calls and
         ``on_exit``; wait for it (unless called from the owner thread itself)."""
@@ -162,12 +293,8 @@ def _serve(owner: OwnerThread, jobs: queue.SimpleQueue[_Call | None],
     del owner  # not kept alive by its own thread
     try:
         while (job := jobs.get()) is not None:
-            try:
-                job.result = job.fn(*job.args)
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
-                job.error = e
-            job.fn = job.args = None
-            job.done.set()
+            if job is not _WAKE:
+                _run(job)
             job = None
     finally:
         for fn in last:
@@ -179,6 +306,24 @@ def _serve(owner: OwnerThread, jobs: queue.SimpleQueue[_Call | None],
         if on_exit is not None:
             on_exit()
         _local.owner = None
+
+
+def _run(job: _Call) -> None:
+    """Run ``job`` here; its outcome to its caller (a task's exception to the excepthook)."""
+    handed = not job.task
+    _local.handed = getattr(_local, "handed", 0) + handed
+    try:
+        job.result = job.fn(*job.args)
+    except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+        if job.task:
+            threading.excepthook(threading.ExceptHookArgs(
+                (type(e), e, e.__traceback__, threading.current_thread())))
+        else:
+            job.error = e
+    finally:
+        _local.handed -= handed
+    job.fn = job.args = None
+    job.done.set()
 
 
 @atexit.register

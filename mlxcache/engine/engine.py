@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -72,12 +73,12 @@ class Engine(EngineClient):
     per-row positions, or whose recurrent layers take padding into their state, minus the
     reuse restriction (``mlxcache.engine.support``).
 
-    Threads: the engine does all its MLX work (the support probe, every round) on one thread
-    it owns (``servecore.thread.OwnerThread``), whichever thread calls it: MLX keeps
-    per-thread state that a thread must clear before it ends, or the process may abort at
-    exit, and the engine's thread clears it when the engine is closed (or dropped, or at
-    interpreter exit). Unseeded sampling (``seed=None``) draws from the engine thread's MLX
-    generator.
+    Threads: all MLX work (the support probe, every round) runs on one thread the engine
+    owns (``servecore.thread.OwnerThread``), whichever thread calls; ``start_thread`` runs a
+    loop there (the server's), so a round makes no hop between threads. That thread clears
+    its MLX state when the engine is closed, dropped or left open at interpreter exit
+    (``servecore.thread`` says why); callers' threads hold none. Unseeded sampling
+    (``seed=None``) draws from the engine thread's generator.
 
     Examples:
         >>> from mlxcache.zoo import make_model     # a tiny random llama, or mlx_lm.load(path)
@@ -273,6 +274,12 @@ class Engine(EngineClient):
                 self.owner.call(self.core.store.reset)
             if self.core.disk is not None:
                 self.owner.call(self.core.disk.forget)
+
+    def start_thread(self, target: Callable[[], Any], name: str) -> Any:
+        """Run ``target`` on the engine's own thread (``OwnerThread.start``): a loop there
+        makes its rounds' calls inline, and runs other threads' calls between its steps
+        (``OwnerThread.serve_calls``)."""
+        return self.owner.start(target, name)
 
 
 def _attach_disk(engine: Engine, owner: OwnerThread, tokenizer: Any) -> None:

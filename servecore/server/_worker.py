@@ -1,4 +1,4 @@
-"""``EngineWorker``: the one thread that drives an engine for the server.
+"""``EngineWorker``: the one loop that drives an engine for the server, on the engine's thread.
 
 The event loop never calls the engine. It hands the worker jobs through a thread-safe queue
 (``submit`` a request, ``cancel`` a generation) and the worker hands back what happened
@@ -13,6 +13,14 @@ queue otherwise. A round that raises is a fault of the engine, not of a request:
 it dropped end with their error (500) and the worker goes on serving; after
 ``MAX_FAILED_ROUNDS`` failures in a row every request still running ends with the error, so a
 fault that repeats cannot spin forever.
+
+Where the loop runs is the engine's to say: ``engine.start_thread(target, name)`` when it has
+one. An ``mlxcache.Engine`` runs it on the thread that owns its MLX work (``servecore.thread``),
+so every call of a round runs inline, with no hand-over between two threads per call; there
+the loop also runs the calls other threads hand that thread (``close``, ``reset_cache``, a
+``generate`` beside the server) between rounds and while it idles, and it ends when the
+engine is closed (what it still holds, and every later submit, gets a 503). An engine without
+the method gets a thread of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from servecore.client import EngineClient
 from servecore.engine import Event
 from servecore.errors import EngineClosedError, InvalidRequest
 from servecore.server._errors import APIError
+from servecore.thread import OwnerThread, current_owner
 
 __all__ = ["MAX_FAILED_ROUNDS", "EngineWorker", "Generation"]
 
@@ -35,6 +44,8 @@ MAX_FAILED_ROUNDS = 3
 """Rounds that may fail in a row before every running request ends with the error."""
 
 log = logging.getLogger("servecore.server")
+
+_ENDED = "the engine is closed: the server serves no more requests"
 
 
 class Generation:
@@ -73,9 +84,9 @@ def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, in
 
 
 class EngineWorker:
-    """Drives ``engine`` (a ``servecore.client.EngineClient``) on its own thread (see the
-    module docstring). ``max_waiting`` bounds the requests accepted but not started (no first
-    token yet): ``reserve`` refuses more with a 429.
+    """Drives ``engine`` (a ``servecore.client.EngineClient``) on the engine's thread or on
+    its own (see the module docstring). ``max_waiting`` bounds the requests accepted but not
+    started (no first token yet): ``reserve`` refuses more with a 429.
 
     >>> from servecore.testing import FakeEngine
     >>> worker = EngineWorker(FakeEngine(), max_waiting=4)
@@ -95,8 +106,15 @@ class EngineWorker:
         self._waiting = 0  # reserved and not started (loop and worker both count)
         self.running = 0  # requests accepted and not finished (the worker's count)
         self.failed_rounds = 0
-        self._thread = threading.Thread(target=self._serve, name="servecore-engine",
-                                        daemon=True)
+        self._thread: Any = None  # what start_thread returned: is_alive(), join(timeout)
+        self._owner: OwnerThread | None = None  # the owner thread the loop runs on, if any
+        self._ended = False  # the loop returned: later submits are refused (under _lock)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop runs (started, and neither stopped nor ended by the engine's
+        close)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def waiting(self) -> int:
@@ -125,52 +143,67 @@ class EngineWorker:
 
     # ------------------------------------------------------------ the loop's calls ----
 
-    @property
-    def alive(self) -> bool:
-        """Whether the worker's thread is serving."""
-        return self._thread.is_alive()
-
     def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
+        """Start the loop where the engine's ``start_thread`` puts it (default: a thread of
+        its own)."""
+        self._thread = self.engine.start_thread(self._serve, "servecore-engine")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the job queue's work, end the thread (requests still running are
-        aborted) and wait for it."""
-        self._jobs.put(("stop", None, None))
-        self._thread.join(timeout)
+        """Finish the job queue's work, end the loop (requests still running are aborted)
+        and wait for it."""
+        self._put(("stop", None, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def submit(self, gen: Generation, choice: int, tokens: list[int], max_tokens: int,
                **sampling: Any) -> None:
-        """Queue choice ``choice`` of ``gen`` (reserved with ``reserve`` first)."""
-        self._jobs.put(("submit", gen, (choice, tokens, max_tokens, sampling)))
+        """Queue choice ``choice`` of ``gen`` (reserved with ``reserve`` first); once the
+        loop has ended it is refused at once (503)."""
+        with self._lock:
+            if not self._ended:
+                self._put(("submit", gen, (choice, tokens, max_tokens, sampling)))
+                return
+        self._started()
+        _hand_over(gen.loop, [(gen, choice, APIError(503, _ENDED))])
 
     def cancel(self, gen: Generation) -> None:
         """Abort every request of ``gen`` (the client left, or a stop string ended it)."""
-        self._jobs.put(("cancel", gen, None))
+        self._put(("cancel", gen, None))
 
     def cancel_choice(self, gen: Generation, choice: int) -> None:
         """Abort choice ``choice`` of ``gen`` alone (a stop string ended it)."""
-        self._jobs.put(("cancel", gen, choice))
+        self._put(("cancel", gen, choice))
+
+    def _put(self, job: tuple[str, Generation | None, Any]) -> None:
+        self._jobs.put(job)
+        owner = self._owner
+        if owner is not None:  # the loop may be waiting in the owner's queue: wake it
+            owner.wake()
 
     # --------------------------------------------------------------- the thread ----
 
     def _serve(self) -> None:
+        """The loop (module docstring); on the way out, whatever ended it, every request it
+        holds or that is queued ends with a 503."""
+        self._owner = current_owner()
+        try:
+            self._loop()
+        finally:
+            with self._lock:
+                self._ended = True  # no submit is queued after this
+            self._owner = None
+            self._refuse_queued()
+            self._flush()
+
+    def _loop(self) -> None:
         while True:
-            busy = bool(self._live)
-            try:
-                jobs = [self._jobs.get(timeout=None if not busy else 0)]
-            except queue.Empty:
-                jobs = []
-            while True:  # every job that arrived before this round
-                try:
-                    jobs.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
+            jobs = self._take_jobs(block=not self._live)
+            if jobs is None:  # the engine closed its thread under the loop
+                self._abort_all(APIError(503, _ENDED), engine=False)
+                return
             for kind, gen, arg in jobs:
                 if kind == "stop":
                     self._abort_all(APIError(503, "the server is shutting down"))
-                    self._flush()
                     return
                 try:
                     if kind == "submit":
@@ -185,8 +218,39 @@ class EngineWorker:
                             APIError(500, f"the engine failed: {e!r}"))
             self._flush()  # acceptances now: a stream's headers need not wait for the round
             if self._live:
-                self._round()
+                if not self._round():
+                    return
                 self._flush()
+
+    def _take_jobs(self, block: bool) -> list[tuple[str, Generation | None, Any]] | None:
+        """Every job queued; with ``block``, waiting for one first. On the owner thread the
+        owner's queued calls run here too, and None says the owner is closing."""
+        owner = self._owner
+        if owner is not None:
+            if not owner.serve_calls():
+                return None
+            while block and self._jobs.empty():  # (a job's put wakes the wait)
+                if not owner.serve_calls(timeout=None):
+                    return None
+        jobs = []
+        if block and owner is None:
+            jobs.append(self._jobs.get())
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _refuse_queued(self) -> None:
+        """Answer every job left in the queue: a submit is refused (503)."""
+        while True:
+            try:
+                kind, gen, arg = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._started()
+                self._post(gen, arg[0], APIError(503, _ENDED))
 
     def _submit(self, gen: Generation, choice: int, tokens: list[int], max_tokens: int,
                 sampling: dict[str, Any]) -> None:
@@ -238,18 +302,25 @@ class EngineWorker:
         for loop, items in by_loop.items():
             _hand_over(loop, items)
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """One round, its events to their generations; False when the loop must end (the
+        engine closed its owner thread under it)."""
         try:
             events = self.engine.step_events()
+        except EngineClosedError as e:  # closed: no round will run again
+            on_owner = self._owner is not None
+            self._abort_all(APIError(503, str(e)), engine=not on_owner)
+            return not on_owner
         except Exception as e:  # a fault of the engine: it named the requests it dropped
             self.failed_rounds += 1
             log.exception("a round failed (%d in a row)", self.failed_rounds)
             if self.failed_rounds >= MAX_FAILED_ROUNDS:
                 self._abort_all(APIError(500, f"the engine failed: {e!r}"))
-            return
+            return True
         self.failed_rounds = 0
         for ev in events:
             self._deliver(ev)
+        return True
 
     def _deliver(self, ev: Event) -> None:
         live = self._live.get(ev.rid)
@@ -267,12 +338,15 @@ class EngineWorker:
         if ev.finished:
             self._end(ev.rid)
 
-    def _abort_all(self, error: APIError) -> None:
+    def _abort_all(self, error: APIError, engine: bool = True) -> None:
+        """End every live request with ``error`` (``engine``: abort each in the engine too;
+        not while the engine's closer holds it and waits for this thread to end)."""
         for rid, (gen, choice) in list(self._live.items()):
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
+            if engine:
+                try:
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001 - closing anyway
+                    pass
             self._end(rid)
             self._post(gen, choice, error)
 
