@@ -20,7 +20,7 @@ from servecore.testing import word_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CALLS = ("generate", "stream", "add_request", "step", "step_events", "abort", "has_unfinished",
-         "close", "__enter__", "__exit__")
+         "close", "__enter__", "__exit__", "room_for", "start_thread")
 VIEWS = ("tokenizer", "vocab_size", "eos_ids", "stats", "memory", "closed")
 VOCAB = 1000  # make_model's vocabulary
 

@@ -137,7 +137,7 @@ class Engine(EngineClient):
     snapshot_interval = delegate("options.snapshot_interval", "The snapshot grid, tokens.")
     overlap = delegate("options.overlap", "Whether rounds overlap the device's step.")
 
-    def room_for(self, prompt_len: int) -> int:
+    def room_for(self, prompt_len: int) -> int | None:
         """The largest ``max_tokens`` a prompt of ``prompt_len`` tokens may ask for: the
         context (``max_context_len``, and the token slots of one data shard) less the prompt,
         plus the last token, which is returned, never fed back (0: the prompt does not fit).

@@ -45,7 +45,7 @@ def _streamed(chunks) -> str:
 
 def test_every_round_under_the_server_runs_on_the_engines_thread_with_no_hop():
     engine = mlx_engine(num_slots=512)
-    owner = engine.streams.core.owner
+    owner = engine.owner
     prompts = [f"w{40 + i} w{50 + i} w{60 + i}" for i in range(4)]
     want = [engine.generate([[{"role": "user", "content": p}]], 8, text=True)[0]
             for p in prompts]
@@ -111,7 +111,7 @@ def test_close_from_another_thread_while_the_server_streams_ends_it_cleanly():
         chunks = iter(_chat(client, "w80 w81 w82", 400, stream=True))
         next(chunks)  # running
         _within(engine.close)  # from another thread than the loop's
-        assert engine.closed and not engine.streams.core.owner.thread.is_alive()
+        assert engine.closed and not engine.owner.thread.is_alive()
         with pytest.raises(openai.APIError, match="closed"):
             list(chunks)  # the stream ends with an error event, not a short answer
         worker = srv.server.worker
