@@ -16,9 +16,9 @@ demo: $(STAMP)
 	$(PY) -m hybridattn.demo
 
 # The tests and a strict build of the documentation site, which executes every notebook
-# (tests/test_notebooks_and_docs.py), all on two workers.
+# (tests/test_notebooks_and_docs.py), all on two workers; the 10 slowest are listed at the end.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q --durations=10 tests
 
 # site/: every page, the notebooks executed with their plots (mkdocs-jupyter).
 docs: $(STAMP)
