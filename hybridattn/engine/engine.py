@@ -17,7 +17,7 @@ import jax
 from hybridattn.config import KimiLinearConfig
 from hybridattn.engine._core import Core, build_core
 from hybridattn.engine.options import EngineOptions
-from hybridattn.engine.processes import ProcessGroupCore
+from hybridattn.engine.processes import ProcessGroupCore, model_digest
 from hybridattn.engine.scheduler import Scheduler, ShardedScheduler
 from hybridattn.models import kimi_linear
 from servecore.client import EngineClient
@@ -102,9 +102,11 @@ class Engine(EngineClient):
         opts = options_of(EngineOptions, options, "hybridattn.Engine()").resolved(config)
         eos = _default_stop_ids(config, check_tokenizer(tokenizer))
         self.config, self.options = config, opts
+        multi = opts.mesh is not None and jax.process_count() > 1  # every process runs it
+        model = model_digest(config, params) if multi else b""  # (before params are placed)
         core = build_core(config, params, opts)
-        if opts.mesh is not None and jax.process_count() > 1:  # every process runs this engine
-            core = ProcessGroupCore(core)  # (``hybridattn.engine.processes``)
+        if multi:
+            core = ProcessGroupCore(core, model)  # (``hybridattn.engine.processes``)
         self.core: Core = core
         super().__init__(core, vocab_size=config.vocab_size, tokenizer=tokenizer, eos_ids=eos,
                          check=core.check, name=f"hybridattn.Engine at {id(self):#x}")

@@ -54,7 +54,7 @@ from hybridattn.engine._core import Core
 from servecore.engine import Event
 from servecore.requests import GenerationRequest
 
-__all__ = ["ProcessGroupCore", "ProcessesDiverged"]
+__all__ = ["SAMPLE", "ProcessGroupCore", "ProcessesDiverged", "model_digest"]
 
 
 class ProcessesDiverged(RuntimeError):
@@ -77,12 +77,18 @@ class ProcessGroupCore:
     True
     """
 
-    def __init__(self, core: Core):
+    def __init__(self, core: Core, model: bytes = b""):
         self.core = core
         self.leader = jax.process_index() == 0
         self.num_processes = jax.process_count()
         self._inbox: list[tuple] = []  # process 0: the inputs of the next round
         self._closed = False
+        bad = _disagree(hashlib.blake2b(model, digest_size=16).digest())
+        if bad:
+            raise ValueError(f"processes {bad} of {self.num_processes} built the engine from "
+                             "another model than process 0 (another config or other "
+                             "parameters: model_digest differs): every process must load the "
+                             "same checkpoint")
         geometry = repr((core.capacity, core.shard_capacity, core.runner.max_running_requests,
                          core.buckets, core.opts.max_context_len, core.opts.snapshot_interval,
                          core.opts.prefix_cache)).encode()
@@ -178,6 +184,34 @@ class ProcessGroupCore:
         if bad:
             raise ProcessesDiverged(f"processes {bad} of {self.num_processes} hold another "
                                     f"{what} than process 0")
+
+
+SAMPLE = 1 << 16
+"""Elements of each parameter a model digest reads besides its sum: a strided sample."""
+
+
+def model_digest(config: Any, params: Any) -> bytes:
+    """A digest of ``config`` (its ``to_dict()``) and ``params`` (each leaf's path, shape and
+    dtype, its sum in float64 and a strided sample of ``SAMPLE`` elements): what every
+    process of an engine must agree on before its first round. Reads each leaf once.
+
+    >>> import jax.numpy as jnp
+    >>> a = {"w": jnp.ones((4, 4))}
+    >>> model_digest({"n": 1}, a) == model_digest({"n": 1}, {"w": jnp.ones((4, 4))})
+    True
+    >>> model_digest({"n": 1}, a) == model_digest({"n": 1}, {"w": jnp.ones((4, 4)).at[3, 3].set(2)})
+    False
+    """
+    h = hashlib.blake2b(digest_size=16)
+    cfg = config.to_dict() if hasattr(config, "to_dict") else config
+    h.update(repr(sorted(cfg.items()) if isinstance(cfg, dict) else cfg).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        x = np.asarray(jax.device_get(leaf))
+        flat = x.reshape(-1)
+        h.update(f"{jax.tree_util.keystr(path)} {x.shape} {x.dtype}".encode())
+        h.update(np.float64(flat.astype(np.float64).sum() if flat.size else 0).tobytes())
+        h.update(np.ascontiguousarray(flat[:: max(1, flat.size // SAMPLE)]).tobytes())
+    return h.digest()
 
 
 def state_digest(core: Any) -> bytes:

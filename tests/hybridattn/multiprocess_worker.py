@@ -3,8 +3,9 @@
 the same engine on a (2, 4) mesh over the group's 8 CPU devices; process 0 serves the
 workload and writes its tokens to ``OUT`` (JSON); the others follow. ``MODE``: ``serve``:
 an engine with the prefix cache, then one without, in the same processes (one launch);
-``die``: process 1 exits abruptly after following two rounds; ``diverge``:
-process 1 queues a request of its own before following (a bug the checks must catch)."""
+``other_model``: process 1 builds its engine from other weights; ``die``: process 1 exits
+abruptly after following two rounds; ``diverge``: process 1 queues a request of its own
+before following (a bug the checks must catch)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from hybridattn.mesh import make_mesh  # noqa: E402
 from hybridattn.models import kimi_linear  # noqa: E402
 
 out, mode = sys.argv[1], sys.argv[2]
-params = kimi_linear.init_params(CFG, jax.random.key(0))
+# ``other_model``: process 1 loads other weights (a checkpoint of another step, say)
+seed = 1 if mode == "other_model" and jax.process_index() == 1 else 0
+params = kimi_linear.init_params(CFG, jax.random.key(seed))
 
 
 def serve(e: Engine, cache: bool) -> dict:

@@ -89,6 +89,15 @@ def test_two_processes_serve_as_one(tmp_path, want):
     assert set(results) == {"cache", "nocache"}
 
 
+def test_a_process_with_other_weights_is_refused_at_construction(tmp_path):
+    """Process 1 loads other parameters: both processes refuse to build the engine, naming
+    it, before any round (no mixed shards, no wrong tokens)."""
+    ran, got = _run(tmp_path, "other_model", timeout=240)
+    assert got is None and all(code != 0 for code, _ in ran), ran
+    for _, log in ran:
+        assert "processes [1] of 2 built the engine from another model" in log, log[-2000:]
+
+
 def test_processes_that_diverge_raise_instead_of_computing(tmp_path):
     """Process 1 queues a request process 0 never sent: at the start of the first round the
     digests differ, and both processes raise ``ProcessesDiverged`` before any step."""
