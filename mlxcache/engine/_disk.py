@@ -335,10 +335,15 @@ class DiskTier:
         s.disk_hits += 1
         s.disk_tokens_read += end - head
 
-    def forget(self) -> int:
-        """Remove every page of this model's salt from the directory (the others' stay); a
-        reload under way still lands, its pages read before. How many pages went."""
-        return self.disk.forget(self.salt)
+    def forget(self, salt_key: str | None = None) -> int:
+        """Remove every page of this model's salt from the directory (the others' stay), and
+        key what is spilled from now on under ``salt_key`` (the model's salt taken again:
+        weights changed in place since the engine was built get a salt of their own). A
+        reload already under way still lands. How many pages went."""
+        gone = self.disk.forget(self.salt)
+        if salt_key is not None:
+            self.salt = salt_key
+        return gone
 
     def close(self, flush: bool) -> None:
         """Spill what memory holds (``flush``), then close the store."""

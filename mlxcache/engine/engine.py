@@ -150,26 +150,12 @@ class Engine(EngineClient):
         weakref.finalize(self, owner.close)
 
     def _fits(self, name: str, request: GenerationRequest) -> None:
-        """A prompt must fit the KV pool (with reuse): it is inserted whole; prompt and answer
-        must fit the model's positions (``max_position_embeddings``, when it says)."""
-        n = len(request.tokens)
-        if self.reuse and n > self.num_slots - 1:
-            raise InvalidRequest(f"{name} has {n} tokens but the KV pool holds at most "
-                                 f"{self.num_slots - 1} (num_slots={self.num_slots}); raise "
-                                 "num_slots", field="prompt", value=n)
-        limit = self.max_positions
-        if limit is not None and request.context_len > limit:
-            field, value = ("prompt", n) if n > limit else ("max_tokens", request.max_tokens)
-            raise InvalidRequest(
-                f"{name} of {n} tokens + max_tokens={request.max_tokens} needs "
-                f"{request.context_len} positions, more than the model's "
-                f"max_position_embeddings={limit}",
-                field=field, value=value)
+        _check_fits(name, request, self.num_slots if self.reuse else None, self.max_positions)
 
     @property
     def max_positions(self) -> int | None:
-        """The model's ``max_position_embeddings`` (its config's), or None if it does not
-        say: a prompt and its answer must fit it."""
+        """The model's ``max_position_embeddings`` (None if its config does not say): a
+        prompt and its answer must fit it."""
         value = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         return value if isinstance(value, int) and value > 0 else None
 
@@ -251,10 +237,11 @@ class Engine(EngineClient):
     def reset_cache(self) -> None:
         """Forget every cached prefix that no running request holds: evict all that is
         evictable and free its slots, and with a disk tier (``cache_dir``) remove this
-        model's pages from the directory too (after weights changed in place, nothing old is
-        served from either). A running request's locked prefix stays until it finishes
-        (then it and its answer are cached as usual). Not counted in
-        ``stats.token_evictions``.
+        model's pages from the directory too and key later ones by the weights as they are
+        now (after weights changed in place, call it with nothing running: nothing old is
+        served from either, and nothing new is filed under the old weights). A running
+        request's locked prefix stays until it finishes (then it and its answer are cached
+        as usual). Not counted in ``stats.token_evictions``.
 
         Examples:
             >>> from mlxcache.zoo import make_model
@@ -272,14 +259,32 @@ class Engine(EngineClient):
         with self._serialized():
             if self.core.store is not None:
                 self.owner.call(self.core.store.reset)
-            if self.core.disk is not None:
-                self.owner.call(self.core.disk.forget)
+            if self.core.disk is not None:  # the salt again: the weights may have changed
+                salt_key = self.owner.call(salt_of, self.model, self.tokenizer, self.support,
+                                           DISK_PAGE_TOKENS)
+                self.owner.call(self.core.disk.forget, salt_key)
 
     def start_thread(self, target: Callable[[], Any], name: str) -> Any:
         """Run ``target`` on the engine's own thread (``OwnerThread.start``): a loop there
         makes its rounds' calls inline, and runs other threads' calls between its steps
         (``OwnerThread.serve_calls``)."""
         return self.owner.start(target, name)
+
+
+def _check_fits(name: str, request: GenerationRequest, num_slots: int | None,
+                limit: int | None) -> None:
+    """``InvalidRequest`` unless the prompt fits the KV pool of ``num_slots`` (None: no
+    pool), inserted whole, and prompt and answer fit ``limit`` positions (None: no limit)."""
+    n = len(request.tokens)
+    if num_slots is not None and n > num_slots - 1:
+        raise InvalidRequest(f"{name} has {n} tokens but the KV pool holds at most "
+                             f"{num_slots - 1} (num_slots={num_slots}); raise num_slots",
+                             field="prompt", value=n)
+    if limit is not None and request.context_len > limit:
+        field, value = ("prompt", n) if n > limit else ("max_tokens", request.max_tokens)
+        raise InvalidRequest(f"{name} of {n} tokens + max_tokens={request.max_tokens} needs "
+                             f"{request.context_len} positions, more than the model's "
+                             f"max_position_embeddings={limit}", field=field, value=value)
 
 
 def _attach_disk(engine: Engine, owner: OwnerThread, tokenizer: Any) -> None:

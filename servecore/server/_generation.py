@@ -125,15 +125,16 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
     open_ = set(range(ask.num_choices))
     submitted: set[int] = set()
     usage.prompt_tokens = sum(len(p) for p in ask.prompts)
+    limits = [ask.max_tokens] * ask.num_choices  # each choice's max_tokens, as submitted
 
     def submit(choice: int) -> None:
         prompt, i = divmod(choice, ask.n)
         seed = None if ask.seed is None else (ask.seed + i) % 2**31
-        max_tokens = ask.max_tokens
         if not ask.max_tokens_given:  # the default: what fits (a prompt too long still fails)
             room = worker.engine.room_for(len(ask.prompts[prompt]))
-            max_tokens = max(1, min(max_tokens, max_tokens if room is None else room))
-        worker.submit(gen, choice, ask.prompts[prompt], max_tokens,
+            limits[choice] = max(1, min(ask.max_tokens, ask.max_tokens if room is None
+                                        else room))
+        worker.submit(gen, choice, ask.prompts[prompt], limits[choice],
                       temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed,
                       logprobs=ask.logprobs)
         submitted.add(choice)
@@ -165,7 +166,8 @@ async def pieces(worker: EngineWorker, ask: Ask, tokenizer: Any, eos: frozenset[
                     if accepted == len(ask.prompts):
                         out.append(ACCEPTED)
                     continue
-                piece = _take(item, choice, texts[choice], counts, ask, eos, worker, gen)
+                piece = _take(item, choice, texts[choice], counts, limits[choice], eos, worker,
+                              gen)
                 if item.token is not None and counts[choice] == 1:
                     _first(item, choice, ask, usage, gen, submit)
                 if piece.finish_reason is not None:
@@ -192,9 +194,9 @@ def _first(ev: Event, choice: int, ask: Ask, usage: Usage, gen: Generation, subm
             submit(choice + i)
 
 
-def _take(ev: Event, choice: int, text: TextStream, counts: list[int], ask: Ask,
+def _take(ev: Event, choice: int, text: TextStream, counts: list[int], limit: int,
           eos: frozenset[int], worker: EngineWorker, gen: Generation) -> Piece:
-    """One engine event of ``choice`` as a ``Piece``."""
+    """One engine event of ``choice`` (asked for ``limit`` tokens) as a ``Piece``."""
     if ev.token is None:  # ended without a token (cancelled elsewhere)
         return Piece(choice, text.finish(), "stop")
     counts[choice] += 1
@@ -208,5 +210,5 @@ def _take(ev: Event, choice: int, text: TextStream, counts: list[int], ask: Ask,
     lp = ((ev.token, ev.logprobs),) if ev.logprobs is not None else ()
     if ev.finished:
         return Piece(choice, piece + text.finish(),
-                     "length" if counts[choice] >= ask.max_tokens else "stop", logprobs=lp)
+                     "length" if counts[choice] >= limit else "stop", logprobs=lp)
     return Piece(choice, piece, logprobs=lp)

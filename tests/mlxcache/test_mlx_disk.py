@@ -173,6 +173,16 @@ def test_reset_cache_forgets_the_models_pages_on_disk_too(checkpoints, tmp_path)
     with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:  # what close spilled
         e.generate([prompt], max_tokens=MAX)
         assert e.stats.disk_hits == 1
+        # weights changed in place, then reset: what is spilled after is filed under them
+        w = model.layers[0].mlp.down_proj.weight
+        model.layers[0].mlp.down_proj.weight = w * 1.5
+        mx.eval(model.parameters())
+        e.reset_cache()
+        assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+    model.layers[0].mlp.down_proj.weight = w  # the original weights: nothing of the others'
+    with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:
+        assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
+        assert e.stats.disk_hits == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])

@@ -37,6 +37,8 @@ def test_the_default_max_tokens_is_what_fits(server):
     client = server.openai()
     out = client.completions.create(model=MODEL, prompt=_words(90), temperature=0)
     assert out.usage.prompt_tokens == 90 and out.usage.completion_tokens <= 96 - 90 + 1
+    if out.usage.completion_tokens == 96 - 90 + 1:  # cut by the context: said so
+        assert out.choices[0].finish_reason == "length"
     r = httpx.post(server.base + "/completions", json={
         "model": MODEL, "prompt": _words(90), "max_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -61,3 +63,21 @@ def test_an_mlx_engine_refuses_what_passes_max_position_embeddings():
     assert (e.value.field, e.value.value) == ("prompt", 100)
     assert engine.room_for(90) == 7 and not engine.has_unfinished()
     engine.close()
+
+
+def test_an_answer_cut_to_the_context_finishes_by_length():
+    """The default max_tokens cut to what fits: an answer that reaches it says ``length``
+    (it did not end by itself), on both APIs' streams and whole answers."""
+    from servecore.testing import FakeEngine, word_tokenizer
+
+    class Small(FakeEngine):
+        def room_for(self, prompt_len):
+            return 2
+
+    with serving(Small(vocab_size=32, tokenizer=word_tokenizer(32))) as srv:
+        client = srv.openai()
+        out = client.completions.create(model=MODEL, prompt="w17")
+        assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "w17"}], stream=True))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
