@@ -57,7 +57,9 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""A surrogate escaped in JSON (``\\ud800``), or encoded raw in UTF-8 (``json.loads`` lets
+both through)."""
 
 
 def _lone_surrogate(x: Any, path: str) -> str | None:

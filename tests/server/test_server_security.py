@@ -101,6 +101,10 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw):
                        headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
+        raw_bytes = (raw % MODEL).replace("\\ud800", "\ud800").replace("\\udfff", "\udfff")
+        r = httpx.post(srv.base + route, content=raw_bytes.encode("utf-8", "surrogatepass"),
+                       headers={"content-type": "application/json"})  # encoded, not escaped
+        assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"]
         ok = httpx.post(srv.base + "/chat/completions", json={**CHAT, "messages": [
             {"role": "user", "content": "w7 \U0001F600"}]})  # a pair is text: served
         assert ok.status_code == 200
