@@ -549,7 +549,7 @@ def free(a: SlotAllocator, slots: Iterable[int] | np.ndarray | mx.array) -> Slot
     Raises ValueError (naming the slots) for slot 0, slots outside ``[1, num_slots)``, repeats
     within ``slots`` (``checked_slots``), or slots that are already free (a double free).
     Costs a pass over every slot (a linear owner keeps a free mask instead:
-    ``mlxcache.engine.store.AllocatorSlots``).
+    ``servecore.ids.IdPool``).
 
     Examples:
         >>> a, slots, _ = alloc(init_allocator(4), 2)

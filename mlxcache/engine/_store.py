@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -40,17 +39,15 @@ from mlxcache.engine.stats import EngineStats
 from mlxcache.engine.support import Support
 from mlxcache.layers import build, leaves
 from mlxcache.pool import (
-    SlotAllocator,
     bytes_per_token_slot,
-    checked_slots,
     get_states,
-    init_allocator,
     init_pool,
     init_state_pool,
     set_kv_all_layers,
     set_states,
 )
 from servecore.engine import delegate
+from servecore.ids import IdPool
 from servecore.prefix import (
     Match,
     cached_len,
@@ -62,85 +59,10 @@ from servecore.prefix import (
 )
 from servecore.radix import Evicted, RadixCache, TreeNode
 from servecore.snapshots import snapshot_points
-from servecore.validate import check_int
 
-__all__ = ["AllocatorSlots", "PrefixStore"]
+__all__ = ["PrefixStore"]
 
 log = logging.getLogger("mlxcache")
-
-
-class AllocatorSlots:
-    """``mlxcache.pool``'s allocator as a ``servecore.prefix.SlotStore``, kept linearly: the
-    free stack grows and shrinks in place and a free mask checks each give for a double free,
-    so ``take`` and ``give`` cost their own slots, not the pool's (``mlxcache.pool.free`` of a
-    value passes over every slot: 3 ms a call on a pool of 2^20 slots, measured, the size the
-    engine picks for a small model, once or more for every request that finishes).
-    ``allocator`` is the same stack as a ``SlotAllocator`` value.
-
-    >>> s = AllocatorSlots(init_allocator(4))
-    >>> s.take(2), s.num_free
-    ([1, 2], 1)
-    >>> s.give([2]); s.take(2), s.allocator.num_free
-    ([2, 3], 0)
-    >>> s.give([2]); s.give([2])
-    Traceback (most recent call last):
-    ...
-    ValueError: double free: slots already free: [2]
-    """
-
-    def __init__(self, allocator: SlotAllocator):
-        self.num_slots = allocator.num_slots
-        self._stack = np.zeros(self.num_slots, dtype=np.int64)  # [:_top] free, popped at _top
-        self._is_free = np.zeros(self.num_slots, dtype=bool)
-        self._top = 0
-        self._push(allocator.free_slots)
-
-    @property
-    def num_free(self) -> int:
-        """Slots ``take`` can hand out."""
-        return self._top
-
-    @property
-    def free_slots(self) -> np.ndarray:
-        """The free slots, the next one handed out last (a read-only copy)."""
-        out = self._stack[: self._top].copy()
-        out.flags.writeable = False
-        return out
-
-    @property
-    def allocator(self) -> SlotAllocator:
-        """The free slots as a ``mlxcache.pool.SlotAllocator`` value."""
-        return SlotAllocator(free_slots=self.free_slots, num_slots=self.num_slots)
-
-    def take(self, n: int) -> list[int]:
-        """Up to ``n`` free slots."""
-        n = min(check_int("n", n, 0), self._top)
-        taken = self._stack[self._top - n : self._top][::-1]
-        self._is_free[taken] = False
-        self._top -= n
-        return taken.tolist()
-
-    def give(self, slots: Sequence[int]) -> None:
-        """Return ``slots`` (a double free is a ValueError)."""
-        arr = checked_slots(slots, self.num_slots)
-        double = arr[self._is_free[arr]]
-        if double.size:
-            raise ValueError(f"double free: slots already free: {double[:8].tolist()}")
-        self._push(arr[::-1])
-
-    def _push(self, arr: np.ndarray) -> None:
-        self._stack[self._top : self._top + arr.size] = arr
-        self._is_free[arr] = True
-        self._top += arr.size
-
-    def rebuild(self, held: list[int]) -> None:
-        """Every slot free but exactly ``held`` (and the sink)."""
-        mask = np.zeros(self.num_slots, dtype=bool)
-        mask[0] = True  # the sink is never free
-        mask[held] = True
-        self._is_free[:] = False
-        self._top = 0
-        self._push(np.flatnonzero(~mask)[::-1])
 
 
 class PrefixStore:
@@ -164,13 +86,13 @@ class PrefixStore:
         heads, head_dim, v_head_dim, dtype = support.kv
         self.pool = init_pool(len(self.layout.kv_leaves), num_slots, heads, head_dim, dtype,
                               v_head_dim, self.layout.kv_quant)
-        self.slots = AllocatorSlots(init_allocator(num_slots))
+        self.slots = IdPool(num_slots, "KV slot")
         self.tree = RadixCache(opts.page_size, states=self.has_states)
         self.states = self.state_slots = None
         if self.has_states:
             self.states = init_state_pool(
                 [x for leaf in self.layout.like for x in leaf if x is not None], num_snapshots)
-            self.state_slots = AllocatorSlots(init_allocator(num_snapshots))
+            self.state_slots = IdPool(num_snapshots, "snapshot slot")
         # The budget of given sizes (``mlxcache.engine.sizing``); ``build`` sets its own.
         self.sizes = PoolSizes(num_slots, num_snapshots, "given",
                                self.cache_bytes + self.pool.nbytes, self.pool.nbytes)

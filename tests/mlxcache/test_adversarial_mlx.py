@@ -118,7 +118,7 @@ def fresh(model, prompt, max_tokens: int, params: tuple = GREEDY) -> list[int]:
 
 
 def free_slots(engine) -> list[int]:
-    return engine.core.store.slots.free_slots.tolist()
+    return engine.core.store.slots.free_ids.tolist()
 
 
 def assert_consistent(engine) -> None:
@@ -133,7 +133,7 @@ def assert_consistent(engine) -> None:
     if engine.has_states:  # held by the tree, or by a running job (its latest page's state)
         held = [h for _, h in engine.tree.all_states()] + [
             j.page_state[1] for j in engine.core.jobs.values() if j.page_state is not None]
-        free = engine.core.store.state_slots.free_slots
+        free = engine.core.store.state_slots.free_ids
         assert len(held) == len(set(held)) and not set(held) & set(free.tolist())
         assert len(held) + len(free) == engine.num_snapshots - 1, "a snapshot slot leaked"
 
