@@ -68,6 +68,9 @@ def start(argv: Sequence[str], *, processes: int, devices: int, heartbeat_second
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, **popen.pop("env", {})}
+    # each in a session of its own: a terminal's Ctrl-C reaches the launcher alone, which
+    # passes it on once (``supervise``), instead of every process getting it twice
+    popen.setdefault("start_new_session", True)
     return [subprocess.Popen([sys.executable, *argv], env={**env, **environment(
         process_id=k, num_processes=processes, port=port, devices=devices,
         heartbeat_seconds=heartbeat_seconds)}, **popen) for k in range(processes)]

@@ -239,11 +239,11 @@ def _sampling(values: dict[str, Any]) -> SamplingParams:
     """``SamplingParams(**values)``; a bad value is an ``InvalidRequest`` naming its field."""
     try:
         return SamplingParams(**values)
-    except ValueError:
-        for name, value in values.items():
+    except ValueError as e:
+        for name, value in values.items():  # the field at fault: each alone
             with _field(name, value):
                 SamplingParams(**{name: value})
-        raise
+        raise InvalidRequest(str(e), field="sampling", value=values) from None
 
 
 def _max_tokens(value: Any) -> int:

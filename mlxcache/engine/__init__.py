@@ -4,22 +4,21 @@
 admission, finishing); its device side is the model called as ``model(inputs, cache=caches)``
 with ``RaggedKVCache`` caches. Nothing in the model is patched.
 
-The package, one concept a module, imports pointing down:
+The package, one concept a module, imports pointing down. Public: ``support`` (``Support``,
+what the engine can do with a model, found once by probing it; ``ReuseDisabledWarning``),
+``options`` (``EngineOptions``: every option documented on its field, checked in one place;
+``UnusedOptionWarning``: one a model ignores), ``stats`` (``EngineStats``), ``sizing`` (the
+pools' sizes from free memory), ``memory`` (``MemoryReport``) and ``engine`` (``Engine``, the
+front door ``servecore.client.EngineClient`` over the core). Internal:
 
-* ``support``: ``Support``, what the engine can do with a model (a mode and a few facts),
-  found once by probing it; ``ReuseDisabledWarning``.
-* ``options``: the constructor options, checked in one place (``UnusedOptionWarning``: one a
-  model ignores); ``stats``: ``EngineStats``;
-  ``sizing``: the pools' sizes from free memory.
-* ``forward``: ragged forwards over the engine's caches; ``job``: a request while it is served
-  and a decode group.
-* ``store``: the prefix store (pools, allocators, radix tree, snapshots) with the shared
-  prefix policy of ``servecore.prefix``.
-* ``admission``: which waiting requests go into the next prefill batch.
-* ``core``: the core (``servecore.engine.EngineCore``): rounds, prefill, decode, finishing,
-  failures; over ``path_pooled`` (the engine's caches, batched or one request per forward)
-  or ``path_plain`` (mlx-lm's caches, for models the pool cannot serve).
-* ``engine``: ``Engine``, the front door (``servecore.client.EngineClient``) over the core.
+* ``_forward``: ragged forwards over the engine's caches; ``_job``: a request while it is
+  served and a decode group.
+* ``_store``: the prefix store (pools, free lists, radix tree, snapshots) with the shared
+  prefix policy of ``servecore.prefix``; ``_disk``: the disk tier under it (``cache_dir``).
+* ``_admission``: which waiting requests go into the next prefill batch.
+* ``_core``: the core (``servecore.engine.EngineCore``): rounds, prefill, decode, finishing,
+  failures; over ``_path_pooled`` (the engine's caches, batched or one request per forward)
+  or ``_path_plain`` (mlx-lm's caches, for models the pool cannot serve).
 
 Examples:
     A tiny random llama (mlx-lm's own class; any ``mlx_lm.load``-ed model serves the same way),

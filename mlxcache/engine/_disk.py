@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -139,7 +139,7 @@ def salt_of(model: nn.Module, tokenizer: Any, support: Support, page: int) -> st
                  "layout": [str(k) for k in support.layout.kinds],
                  "windows": [getattr(leaf, "window", None) for leaf in support.layout.leaves],
                  "page": page, "mlx": mx.__version__,
-                 "mlx_lm": importlib.metadata.version("mlx-lm")})  # its model code: the K/V
+                 "mlx_lm": mlx_lm.__version__})  # its model code computes the K/V
 
 
 def _plain(value: Any) -> Any:

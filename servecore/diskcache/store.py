@@ -228,7 +228,8 @@ class DiskStore:
         0
         """
         self.flush()
-        roots = [k for k in self._children.get(salt, ())]
+        with self._mu:
+            roots = list(self._children.get(salt, ()))
         keys = [k for root in roots for k in self._subtree(root)]
         self._drop(keys)
         return len(keys)
@@ -275,14 +276,15 @@ class DiskStore:
         """A page that cannot be written: say why, as a warning the first time for each
         reason (a small disk under the free-space floor writes nothing, ever)."""
         free = shutil.disk_usage(self.directory).free
-        if free - size < self.min_free_bytes:
+        floor = free - size < self.min_free_bytes
+        if floor:
             why = (f"the disk holding {self.directory} has {free} bytes free and "
                    f"min_free_bytes={self.min_free_bytes} (disk_min_free) must stay free: "
                    "nothing more is written there; lower disk_min_free or free space")
         else:
             why = (f"a page of {size} bytes does not fit budget_bytes={self.budget_bytes} "
                    "(disk_budget) beside what the directory holds")
-        kind = why.split(" ")[0]
+        kind = "floor" if floor else "budget"
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning("diskcache: %s", why)
@@ -460,6 +462,8 @@ class DiskStore:
         except sqlite3.DatabaseError as e:
             if index is not None:
                 index.close()
+            if isinstance(e, sqlite3.OperationalError):  # I/O, a lock: not damage, raise it
+                raise
             log.warning("diskcache: the index %s is damaged (%s): starting empty", path, e)
             self.stats.set_aside += 1
             for damaged in (path, path.with_name(path.name + "-journal")):

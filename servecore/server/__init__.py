@@ -13,6 +13,7 @@ and ``python -m hybridattn.serve`` run it. Public: ``create_app``, ``Server``, `
 * ``_fields``, ``_openai_api``, ``_anthropic_api``: requests read field by field, every refusal a
   400 naming the field (``APIError``), and the objects each API answers with.
 * ``_formats``: each route's whole answer and its server-sent events.
+* ``_door``: who may call (JSON bodies only, web origins, ``--api-key``).
 * ``app``: the routes, the disconnect-watching response, errors; ``_metrics``: ``/metrics``.
 * ``cli``: the flags and uvicorn.
 """

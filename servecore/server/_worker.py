@@ -19,8 +19,8 @@ one. An ``mlxcache.Engine`` runs it on the thread that owns its MLX work (``serv
 so every call of a round runs inline, with no hand-over between two threads per call; there
 the loop also runs the calls other threads hand that thread (``close``, ``reset_cache``, a
 ``generate`` beside the server) between rounds and while it idles, and it ends when the
-engine is closed (what it still holds, and every later submit, gets a 503). An engine without
-the method gets a thread of its own.
+engine is closed (what it still holds, and every later submit, gets a 503). hybridattn's
+engine has no such thread: the loop gets a thread of its own (``EngineClient.start_thread``).
 """
 
 from __future__ import annotations

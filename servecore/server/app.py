@@ -320,10 +320,13 @@ def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
     >>> app.state.server.model_name, [r.path for r in app.routes][:2]
     ('m', ['/v1/chat/completions', '/v1/completions'])
     """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: give a key, or None (no key needed)")
     server = Server(engine, model_name=model_name, max_queue=max_queue, keepalive=keepalive,
                     max_body_bytes=max_body_bytes)
 
-    routes = {r.path for r in _routes(server)}
+    table = _routes(server)
+    routes = {r.path for r in table}
 
     async def api_error(request: Request, e: APIError) -> Response:
         if e.status >= 500:
@@ -355,7 +358,7 @@ def create_app(engine: EngineClient, *, model_name: str, max_queue: int = 256,
             if close_engine:
                 await loop.run_in_executor(None, engine.close)
 
-    app = Starlette(routes=_routes(server), lifespan=lifespan, exception_handlers={
+    app = Starlette(routes=table, lifespan=lifespan, exception_handlers={
         APIError: api_error, HTTPException: http_error, Exception: fault},
         middleware=[Middleware(Door, api_key=api_key, allowed_origins=allowed_origins)])
     app.state.server = server

@@ -47,6 +47,12 @@ def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty key would let anyone in: give a key")
+    return text
+
+
 def _origins(text: str) -> list[str]:
     return [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
 
@@ -96,7 +102,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, default_name: str) -> No
     g.add_argument("--keepalive", type=seconds_in(0.1, 3600), default=10.0,
                    help="seconds between keep-alive comments while a stream waits (0.1 to "
                    "3600; default 10)")
-    g.add_argument("--api-key", default=os.environ.get("SERVECORE_API_KEY"),
+    g.add_argument("--api-key", type=_key, default=os.environ.get("SERVECORE_API_KEY") or None,
                    help="the key every /v1 request must carry (Authorization: Bearer KEY, or "
                    "x-api-key: KEY); default: $SERVECORE_API_KEY, else none needed")
     g.add_argument("--allowed-origins", default="", type=_origins,

@@ -143,14 +143,10 @@ def test_an_engine_never_closed_still_spills_and_unlocks(checkpoints, tmp_path, 
 def test_another_mlx_lm_version_reads_nothing(checkpoints, tmp_path, monkeypatch):
     """mlx-lm's model code computes the K/V: pages written under one version are misses
     under another, as under other weights."""
-    import importlib.metadata
-
     prompt = _prompt(3)
     _write_in_a_process(checkpoints / "llama", tmp_path, prompt)
     model, tok = mlx_lm.load(str(checkpoints / "llama"))
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda name: "0.0.1" if name == "mlx-lm" else real(name))
+    monkeypatch.setattr(mlx_lm, "__version__", "0.0.1")
     with Engine(model, tok, num_slots=1024, cache_dir=tmp_path) as e:
         assert e.generate([prompt], max_tokens=MAX)[0] == _cold(model, prompt)
         assert e.stats.disk_hits == 0 and e.stats.cached_tokens == 0

@@ -19,6 +19,7 @@ BAD_FLAGS = [
     (["--keepalive", "0"], "--keepalive"),
     (["--keepalive", "-5"], "--keepalive"),
     (["--keepalive", "nan"], "--keepalive"),
+    (["--api-key", ""], "--api-key"),
 ]
 
 
