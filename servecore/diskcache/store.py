@@ -504,7 +504,19 @@ class DiskStore:
         if orphans:
             log.info("diskcache: dropping %d pages below removed ones", len(orphans))
             self._drop(sorted(orphans), evicted=True)
-        self._make_room(0)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Evict least recently used leaves until the directory is within the budget (a
+        store reopened with a smaller one), whatever the free-space floor says: that floor
+        decides what is written, not what is kept."""
+        while True:
+            with self._mu:
+                held = sum(e.num_bytes for e in self._entries.values())
+                leaves = [e for e in self._entries.values() if not self._children.get(e.key)]
+            if held + self._overhead() <= self.budget_bytes or not leaves:
+                return
+            self._drop([min(leaves, key=lambda e: e.used).key], evicted=True)
 
 
 def _remove(p: pathlib.Path) -> None:
