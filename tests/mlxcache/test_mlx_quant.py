@@ -23,7 +23,12 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    make_prompt_cache,
+)
 
 from mlxcache import zoo  # noqa: E402
 from mlxcache.engine import Engine, ReuseDisabledWarning  # noqa: E402
@@ -55,11 +60,21 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, zoo.VOCAB) for _ in range(n)]
 
 
+def _quantized(cache, bits: int):
+    """``cache`` with every ``KVCache`` in it quantized from token 0, those inside a
+    ``CacheList`` (falcon_h1's attention beside its recurrent state) included."""
+    if type(cache) is KVCache:
+        return QuantizedKVCache(group_size=32, bits=bits)
+    if type(cache) is CacheList:
+        return CacheList(*[_quantized(c, bits) for c in cache.caches])
+    return cache
+
+
 def oracle(family: str, prompt: list[int], bits: int, max_tokens: int = MAX) -> list[int]:
-    """mlx-lm's greedy tokens with ``QuantizedKVCache`` for every ``KVCache``."""
+    """mlx-lm's greedy tokens with ``QuantizedKVCache`` for every ``KVCache``, nested ones
+    included."""
     model = model_of(family)
-    cache = [QuantizedKVCache(group_size=32, bits=bits) if type(c) is KVCache else c
-             for c in make_prompt_cache(model)]
+    cache = [_quantized(c, bits) for c in make_prompt_cache(model)]
     logits = model(mx.array([prompt]), cache=cache)
     out = []
     for _ in range(max_tokens):
@@ -68,7 +83,16 @@ def oracle(family: str, prompt: list[int], bits: int, max_tokens: int = MAX) -> 
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def test_the_oracle_quantizes_nested_caches_too():
+    """falcon_h1 keeps its attention's K/V in a ``CacheList`` beside a recurrent state: the
+    oracle quantizes that ``KVCache`` too, so the comparison below checks quantized K/V."""
+    caches = [_quantized(c, 8) for c in make_prompt_cache(zoo.make("falcon_h1", head_dim=64))]
+    inner = [x for c in caches if type(c) is CacheList for x in c.caches]
+    assert inner and any(type(x) is QuantizedKVCache for x in inner)
+    assert not any(type(x) is KVCache for x in inner)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "falcon_h1"])
 def test_cold_full_hit_and_a_second_turn(family):
     e = engine(family, 8)
     assert e.batched and e.reuse and e.options.kv_bits == 8
