@@ -138,7 +138,7 @@ class DiskStore:
         self.index: Index | None = None
         try:
             self.pages.mkdir(exist_ok=True)
-            self.index = self._open_index(self.directory / "index.sqlite")
+            self.index = _open_index(self.directory / "index.sqlite", self.stats)
             self._reconcile()
         except BaseException:
             if self.index is not None:
@@ -273,18 +273,9 @@ class DiskStore:
                 self._room.notify_all()
 
     def _skipped(self, key: str, size: int) -> None:
-        """A page that cannot be written: say why, as a warning the first time for each
-        reason (a small disk under the free-space floor writes nothing, ever)."""
-        free = shutil.disk_usage(self.directory).free
-        floor = free - size < self.min_free_bytes
-        if floor:
-            why = (f"the disk holding {self.directory} has {free} bytes free and "
-                   f"min_free_bytes={self.min_free_bytes} (disk_min_free) must stay free: "
-                   "nothing more is written there; lower disk_min_free or free space")
-        else:
-            why = (f"a page of {size} bytes does not fit budget_bytes={self.budget_bytes} "
-                   "(disk_budget) beside what the directory holds")
-        kind = "floor" if floor else "budget"
+        """A page that cannot be written: why, as a warning the first time for each reason
+        (a small disk under the free-space floor writes nothing, ever)."""
+        kind, why = _why_unwritten(self, size)
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning("diskcache: %s", why)
@@ -450,26 +441,6 @@ class DiskStore:
         if evicted:
             self.stats.pages_evicted += len(keys)
 
-    def _open_index(self, path: pathlib.Path) -> Index:
-        """The index at ``path``; one that SQLite cannot read (garbled, cut short) is removed
-        with its journal and a new one started: its pages, then in no index, are set aside
-        by ``_reconcile``, so damage is misses, never a store that cannot start."""
-        index = None
-        try:
-            index = Index(path)
-            index.check()
-            return index
-        except sqlite3.DatabaseError as e:
-            if index is not None:
-                index.close()
-            if isinstance(e, sqlite3.OperationalError):  # I/O, a lock: not damage, raise it
-                raise
-            log.warning("diskcache: the index %s is damaged (%s): starting empty", path, e)
-            self.stats.set_aside += 1
-            for damaged in (path, path.with_name(path.name + "-journal")):
-                damaged.unlink(missing_ok=True)
-            return Index(path)
-
     def _reconcile(self) -> None:
         rows = {e.key: e for e in self.index.entries()}
         self._clock = max((e.used for e in rows.values()), default=0.0)
@@ -517,6 +488,39 @@ class DiskStore:
             if held + self._overhead() <= self.budget_bytes or not leaves:
                 return
             self._drop([min(leaves, key=lambda e: e.used).key], evicted=True)
+
+
+def _open_index(path: pathlib.Path, stats: DiskStats) -> Index:
+    """The index at ``path``; one that SQLite cannot read (garbled, cut short) is removed
+    with its journal and a new one started: its pages, then in no index, are set aside
+    by ``_reconcile``, so damage is misses, never a store that cannot start."""
+    index = None
+    try:
+        index = Index(path)
+        index.check()
+        return index
+    except sqlite3.DatabaseError as e:
+        if index is not None:
+            index.close()
+        if isinstance(e, sqlite3.OperationalError):  # I/O, a lock: not damage, raise it
+            raise
+        log.warning("diskcache: the index %s is damaged (%s): starting empty", path, e)
+        stats.set_aside += 1
+        for damaged in (path, path.with_name(path.name + "-journal")):
+            damaged.unlink(missing_ok=True)
+        return Index(path)
+
+
+def _why_unwritten(store: DiskStore, size: int) -> tuple[str, str]:
+    """Why a page of ``size`` bytes is not written: the free-space floor, or the budget."""
+    free = shutil.disk_usage(store.directory).free
+    if free - size < store.min_free_bytes:
+        return "floor", (f"the disk holding {store.directory} has {free} bytes free and "
+                         f"min_free_bytes={store.min_free_bytes} (disk_min_free) must stay "
+                         "free: nothing more is written there; lower disk_min_free or free "
+                         "space")
+    return "budget", (f"a page of {size} bytes does not fit budget_bytes={store.budget_bytes} "
+                      "(disk_budget) beside what the directory holds")
 
 
 def _remove(p: pathlib.Path) -> None:
