@@ -278,8 +278,8 @@ def test_a_snapshot_of_the_released_48b_model_weighs_tens_of_mib():
 # --------------------------------------------------------------------------------------------
 
 
-def test_soak_150_requests_with_sessions_tight_pools_and_both_evictions():
-    """150 requests arriving at random: 8 system prompts, multi-turn sessions (the next turn is
+def test_soak_100_requests_with_sessions_tight_pools_and_both_evictions():
+    """100 requests arriving at random: 8 system prompts, multi-turn sessions (the next turn is
     the last prompt + its answer + a new message), greedy and seeded sampling, a pool of 240
     token slots and 12 snapshots (both kinds of eviction happen): every output equals the
     engine's without the cache, and nothing leaks."""
@@ -290,7 +290,7 @@ def test_soak_150_requests_with_sessions_tight_pools_and_both_evictions():
     kinds = [dict(), dict(temperature=0.8, seed=5), dict(temperature=1.0, top_k=8, seed=6)]
     jobs, arrived = {}, 0
     waiting_turns: list[tuple[list[int], int]] = []  # (prompt, kind) of next turns
-    target, done = 150, {}
+    target, done = 100, {}
     for _ in range(5000):
         if arrived >= target and not eng.has_unfinished():
             break
