@@ -18,6 +18,16 @@ from typing import Any
 MODEL = "test-model"
 
 
+def within(fn: Any, seconds: float) -> Any:
+    """``fn()`` on a helper thread; its result, or a failure (not a hang) if it deadlocks."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} did not return within {seconds} s"
+    return out[0]
+
+
 def hybrid_engine(**kw: Any):
     from harness import CFG, ENGINE, PARAMS
 

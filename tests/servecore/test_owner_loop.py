@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from server_harness import within
 
 from servecore.errors import EngineClosedError
 from servecore.requests import RequestBuilder
@@ -20,13 +21,7 @@ DEADLINE_S = 30  # a test that waits this long is deadlocked
 
 
 def _within(fn, seconds=DEADLINE_S):
-    """``fn()`` on a helper thread; its result, or a failure (not a hang) if it deadlocks."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{fn} did not return within {seconds} s"
-    return out[0]
+    return within(fn, seconds)
 
 
 class Where(FakeCore):

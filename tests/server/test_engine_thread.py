@@ -10,7 +10,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_harness import MODEL, mlx_engine, serving
+from server_harness import MODEL, mlx_engine, serving, within
 
 pytest.importorskip("mlx_lm")
 
@@ -21,13 +21,7 @@ CHAT = [{"role": "user", "content": "w30 w31 w32 w33"}]
 
 
 def _within(fn, seconds=DEADLINE_S):
-    """``fn()`` on a helper thread; its result, or a failure (not a hang) if it deadlocks."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{fn} did not return within {seconds} s"
-    return out[0]
+    return within(fn, seconds)
 
 
 def _chat(client, content, max_tokens, stream=False):
