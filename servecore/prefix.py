@@ -26,6 +26,7 @@ Everything an eviction frees goes back to its store (``give_back``; a ``SlotSink
 and is returned, so the caller counts it.
 
 >>> from servecore.radix import RadixCache
+>>> from servecore.ids import IdPool
 >>> tree, slots = RadixCache(), IdPool(8)  # slots 1..7
 >>> got, _ = make_room(tree, slots, 3)
 >>> tree.insert([5, 6, 7], got)
@@ -44,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from servecore.ids import IdPool  # noqa: F401 - the examples' free list
 from servecore.radix import Evicted, RadixCache, TreeNode
 
 __all__ = ["Match", "SlotSink", "SlotStore", "cached_len", "evict_shortfall",
@@ -56,6 +56,7 @@ class SlotSink(Protocol):
     """Where freed slots go back: a ``SlotStore``, or an engine's queue of frees for a device
     that owns the allocator (``hybridattn``).
 
+    >>> from servecore.ids import IdPool
     >>> isinstance(IdPool(4), SlotSink)
     True
     """
@@ -69,6 +70,7 @@ class SlotStore(SlotSink, Protocol):
     """Where an engine keeps its free slots (token slots or snapshot slots).
     ``servecore.ids.IdPool`` is one.
 
+    >>> from servecore.ids import IdPool
     >>> isinstance(IdPool(4), SlotStore)
     True
     """
@@ -138,6 +140,7 @@ def cached_len(tree: RadixCache, tokens: Sequence[int]) -> int:
 def give_back(evicted: Evicted, slots: SlotSink, states: SlotSink | None = None) -> None:
     """Return what an eviction freed to its stores (token slots; snapshot handles).
 
+    >>> from servecore.ids import IdPool
     >>> kv = IdPool(4)
     >>> give_back(Evicted(kv.take(2), []), kv); kv.num_free
     3
@@ -158,6 +161,7 @@ def make_room(tree: RadixCache, slots: SlotStore, n: int, states: SlotStore | No
     a few more when a leaf is longer), or, when free and evictable slots together are fewer
     than ``n``, nothing at all: ``(None, nothing)``, the request waits.
 
+    >>> from servecore.ids import IdPool
     >>> tree, store = RadixCache(), IdPool(4)
     >>> tree.insert([1, 2], store.take(2))
     0
@@ -201,6 +205,7 @@ def take_states(tree: RadixCache, states: SlotStore, n: int, slots: SlotSink
     least recently used unlocked states' (evicted; the token slots of leaves that go with
     them are given back to ``slots``); what was evicted.
 
+    >>> from servecore.ids import IdPool
     >>> tree, kv, snaps = RadixCache(states=True), IdPool(8), IdPool(3)
     >>> tree.insert([1, 2], kv.take(2))
     0
@@ -223,6 +228,7 @@ def keep_state(tree: RadixCache, tokens: Sequence[int], handle: int, states: Slo
     when the tree has a state there already or lacks the tokens (their K/V were not kept, or
     were evicted). Whether it was kept.
 
+    >>> from servecore.ids import IdPool
     >>> tree, snaps = RadixCache(states=True), IdPool(4)
     >>> tree.insert([1, 2], [8, 9])
     0

@@ -209,7 +209,7 @@ def model_digest(config: Any, params: Any) -> bytes:
         x = np.asarray(jax.device_get(leaf))
         flat = x.reshape(-1)
         h.update(f"{jax.tree_util.keystr(path)} {x.shape} {x.dtype}".encode())
-        h.update(np.float64(flat.astype(np.float64).sum() if flat.size else 0).tobytes())
+        h.update(np.float64(np.sum(flat, dtype=np.float64)).tobytes())  # (no float64 copy)
         h.update(np.ascontiguousarray(flat[:: max(1, flat.size // SAMPLE)]).tobytes())
     return h.digest()
 
